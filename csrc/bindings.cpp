@@ -1,0 +1,87 @@
+// Python module turboquant_mlx._ext. The public Python API lives in
+// turboquant_mlx.ops, which adds the rotation and the plain-MLX fallbacks.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "gpu.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace tq = turboquant_mlx;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "TurboQuant compressed KV-cache primitives for MLX (rotated space).";
+
+  m.def("words_per_token", &tq::words_per_token, "head_dim"_a, "bits"_a,
+        "32-bit words one token of `head_dim` coordinates takes at `bits` bits.");
+
+  m.def("gpu_available", &tq::gpu::available,
+        "True when this build carries GPU kernels.");
+  m.def("gpu_backend", &tq::gpu::backend_name,
+        "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
+
+  m.def(
+      "quantize_append",
+      &tq::quantize_append,
+      "codes"_a,
+      "scales"_a,
+      "x_rot"_a,
+      "centroids"_a,
+      "offset"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Quantize rotated tokens into the cache buffers at ``offset``.
+
+        Args:
+            codes (array): ``uint32`` cache codes, shape ``(B, H, capacity, D*bits/32)``.
+            scales (array): ``float16`` per-token scales, shape ``(B, H, capacity)``.
+            x_rot (array): rotated new tokens, shape ``(B, H, L, D)``.
+            centroids (array): the ``2**bits`` codebook values.
+            offset (int): first token slot written.
+            bits (int): 2, 3 or 4.
+
+        Returns:
+            list[array]: the updated ``[codes, scales]``; they reuse the input buffers
+            when those are not referenced elsewhere.)");
+
+  m.def(
+      "compressed_attention",
+      &tq::compressed_attention,
+      "q_rot"_a,
+      "k_codes"_a,
+      "k_scales"_a,
+      "v_codes"_a,
+      "v_scales"_a,
+      "k_centroids"_a,
+      "v_centroids"_a,
+      "kv_len"_a,
+      "scale"_a,
+      "key_bits"_a,
+      "value_bits"_a,
+      "causal"_a,
+      "mask"_a = nb::none(),
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Attention of rotated queries ``(B, Hq, L<=8, D)`` over the compressed cache.
+
+        Returns:
+            list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 in rotated
+            space and the log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.)");
+
+  m.def(
+      "dequantize",
+      &tq::dequantize,
+      "codes"_a,
+      "scales"_a,
+      "centroids"_a,
+      "bits"_a,
+      "start"_a,
+      "length"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "Decode tokens [start, start + length) to rotated-space float32 (B, H, length, D).");
+}

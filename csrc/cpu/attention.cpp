@@ -1,0 +1,258 @@
+// Attention over the compressed cache on the CPU.
+//
+// Work is split into (batch, KV head, key chunk) items. Each item decodes every key
+// and value of its chunk once into a float row and uses it for all query rows of that
+// KV head (its GQA query heads × query positions), so the packed cache is read once.
+// Items produce partial softmax results (max, sum, weighted value sum) that are merged
+// with log-sum-exp, like a two-pass split-K GPU kernel.
+#include <cmath>
+#include <limits>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "cpu/codec.h"
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+
+namespace turboquant_mlx::cpu {
+
+namespace {
+
+constexpr int kChunk = 1024; // keys per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct MaskView {
+  const bool* bools = nullptr;
+  const float* adds = nullptr;
+  int64_t strides[4] = {0, 0, 0, 0};
+
+  bool active() const {
+    return bools || adds;
+  }
+  // Adds the mask to a score; a false boolean hides the key.
+  float apply(float score, int b, int qh, int l, int j) const {
+    int64_t at = b * strides[0] + qh * strides[1] + l * strides[2] + j * strides[3];
+    if (bools) {
+      return bools[at] ? score : kNegInf;
+    }
+    return score + adds[at];
+  }
+};
+
+struct Shapes {
+  int batch, q_heads, kv_heads, q_len, head_dim, kv_len;
+  int k_cap, v_cap, k_words, v_words;
+  int group() const {
+    return q_heads / kv_heads;
+  }
+  int rows() const {
+    return group() * q_len; // query rows served by one KV head
+  }
+};
+
+struct Partial {
+  std::vector<float> max, sum, acc; // per row; acc is rows × head_dim
+};
+
+template <int KB, int VB>
+void attention_impl(
+    const Shapes& sh,
+    const AttentionParams& p,
+    const float* q,
+    const uint32_t* k_codes,
+    const mx::float16_t* k_scales,
+    const uint32_t* v_codes,
+    const mx::float16_t* v_scales,
+    const float* k_centroids,
+    const float* v_centroids,
+    const MaskView& mask,
+    float* out,
+    float* lse) {
+  Decoder<KB> k_decoder(k_centroids);
+  Decoder<VB> v_decoder(v_centroids);
+  const int D = sh.head_dim, R = sh.rows(), G = sh.group();
+  const int n_chunks = (sh.kv_len + kChunk - 1) / kChunk;
+  const int n_items = sh.batch * sh.kv_heads * n_chunks;
+  std::vector<Partial> partials(n_items);
+
+  parallel_for(n_items, [&](int item) {
+    int chunk = item % n_chunks, bh = item / n_chunks;
+    int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
+    int j0 = chunk * kChunk, j1 = std::min(sh.kv_len, j0 + kChunk), n = j1 - j0;
+    // Rows of this KV head: r = g * L + l, query head kvh * G + g, position l.
+    const float* q_rows = q + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
+
+    std::vector<float> scores(static_cast<size_t>(R) * n);
+    std::vector<float> row(D);
+    const uint32_t* kc = k_codes + (static_cast<int64_t>(bh) * sh.k_cap + j0) * sh.k_words;
+    const mx::float16_t* ks = k_scales + static_cast<int64_t>(bh) * sh.k_cap + j0;
+    for (int j = 0; j < n; ++j) {
+      k_decoder.decode(kc + static_cast<int64_t>(j) * sh.k_words, D, row.data());
+      float gamma = static_cast<float>(ks[j]) * p.scale;
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q_rows + r * D;
+        float dot = 0.0f;
+        for (int i = 0; i < D; ++i) {
+          dot += qr[i] * row[i];
+        }
+        scores[static_cast<size_t>(r) * n + j] = dot * gamma;
+      }
+    }
+
+    Partial& part = partials[item];
+    part.max.assign(R, kNegInf);
+    part.sum.assign(R, 0.0f);
+    part.acc.assign(static_cast<size_t>(R) * D, 0.0f);
+    for (int r = 0; r < R; ++r) {
+      int g = r / sh.q_len, l = r % sh.q_len, qh = kvh * G + g;
+      float* sr = scores.data() + static_cast<size_t>(r) * n;
+      // Keys past the causal limit of query l are hidden.
+      int visible_end = p.causal ? std::min(j1, sh.kv_len - sh.q_len + l + 1) : j1;
+      float m = kNegInf;
+      for (int j = 0; j < n; ++j) {
+        float v = j0 + j < visible_end ? sr[j] : kNegInf;
+        if (mask.active() && v != kNegInf) {
+          v = mask.apply(v, b, qh, l, j0 + j);
+        }
+        sr[j] = v;
+        m = std::max(m, v);
+      }
+      part.max[r] = m;
+      if (m == kNegInf) {
+        std::fill(sr, sr + n, 0.0f); // nothing visible in this chunk
+        continue;
+      }
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        sr[j] = std::exp(sr[j] - m);
+        sum += sr[j];
+      }
+      part.sum[r] = sum;
+    }
+
+    const uint32_t* vc = v_codes + (static_cast<int64_t>(bh) * sh.v_cap + j0) * sh.v_words;
+    const mx::float16_t* vs = v_scales + static_cast<int64_t>(bh) * sh.v_cap + j0;
+    for (int j = 0; j < n; ++j) {
+      bool any = false;
+      for (int r = 0; r < R; ++r) {
+        any |= scores[static_cast<size_t>(r) * n + j] != 0.0f;
+      }
+      if (!any) {
+        continue; // hidden from every row: skip decoding this value
+      }
+      v_decoder.decode(vc + static_cast<int64_t>(j) * sh.v_words, D, row.data());
+      float gamma = static_cast<float>(vs[j]);
+      for (int r = 0; r < R; ++r) {
+        float w = scores[static_cast<size_t>(r) * n + j] * gamma;
+        float* acc = part.acc.data() + static_cast<size_t>(r) * D;
+        for (int i = 0; i < D; ++i) {
+          acc[i] += w * row[i];
+        }
+      }
+    }
+  });
+
+  // Merge the chunks of each (batch, KV head) with log-sum-exp.
+  for (int bh = 0; bh < sh.batch * sh.kv_heads; ++bh) {
+    int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
+    for (int r = 0; r < R; ++r) {
+      int g = r / sh.q_len, l = r % sh.q_len;
+      int64_t row_index = (static_cast<int64_t>(b) * sh.q_heads + kvh * G + g) * sh.q_len + l;
+      float* o = out + row_index * D;
+      float m = kNegInf;
+      for (int c = 0; c < n_chunks; ++c) {
+        m = std::max(m, partials[bh * n_chunks + c].max[r]);
+      }
+      std::fill(o, o + D, 0.0f);
+      if (m == kNegInf) {
+        lse[row_index] = kNegInf;
+        continue;
+      }
+      float sum = 0.0f;
+      for (int c = 0; c < n_chunks; ++c) {
+        const Partial& part = partials[bh * n_chunks + c];
+        if (part.max[r] == kNegInf) {
+          continue;
+        }
+        float w = std::exp(part.max[r] - m);
+        sum += part.sum[r] * w;
+        const float* acc = part.acc.data() + static_cast<size_t>(r) * D;
+        for (int i = 0; i < D; ++i) {
+          o[i] += acc[i] * w;
+        }
+      }
+      float inv = 1.0f / sum;
+      for (int i = 0; i < D; ++i) {
+        o[i] *= inv;
+      }
+      lse[row_index] = m + std::log(sum);
+    }
+  }
+}
+
+} // namespace
+
+void attention(
+    const CompressedAttention& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& p = prim.params();
+  auto& q = inputs[0];
+  auto& out = outputs[0];
+  auto& lse = outputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  lse.set_data(mx::allocator::malloc(lse.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  encoder.set_output_array(lse);
+
+  Shapes sh{
+      q.shape(0),
+      q.shape(1),
+      inputs[1].shape(1),
+      q.shape(2),
+      q.shape(3),
+      p.kv_len,
+      inputs[1].shape(2),
+      inputs[3].shape(2),
+      inputs[1].shape(3),
+      inputs[3].shape(3)};
+  MaskView mask;
+  if (p.has_mask) {
+    auto& m = inputs[7];
+    if (p.mask_is_bool) {
+      mask.bools = m.data<bool>();
+    } else {
+      mask.adds = m.data<float>();
+    }
+    for (int i = 0; i < 4; ++i) {
+      mask.strides[i] = m.strides()[i];
+    }
+  }
+  encoder.dispatch([sh,
+                    p,
+                    mask,
+                    q_ptr = q.data<float>(),
+                    kc = inputs[1].data<uint32_t>(),
+                    ks = inputs[2].data<mx::float16_t>(),
+                    vc = inputs[3].data<uint32_t>(),
+                    vs = inputs[4].data<mx::float16_t>(),
+                    kcent = inputs[5].data<float>(),
+                    vcent = inputs[6].data<float>(),
+                    out_ptr = out.data<float>(),
+                    lse_ptr = lse.data<float>()]() {
+    dispatch_bits(p.key_bits, [&]<int KB>() {
+      dispatch_bits(p.value_bits, [&]<int VB>() {
+        attention_impl<KB, VB>(
+            sh, p, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, out_ptr, lse_ptr);
+      });
+    });
+  });
+}
+
+} // namespace turboquant_mlx::cpu

@@ -1,0 +1,117 @@
+#include <sstream>
+#include <stdexcept>
+
+#include <cstring>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "cpu/codec.h"
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+
+namespace turboquant_mlx::cpu {
+
+namespace {
+
+// Makes `out` hold the cache buffer: the input's own buffer when it can be donated
+// (the O(new tokens) path), otherwise a copy.
+void take_buffer(const mx::array& in, mx::array& out, const mx::Stream& s) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  encoder.dispatch([src = static_cast<const char*>(in.data<void>()),
+                    dst = static_cast<char*>(out.data<void>()),
+                    nbytes = out.nbytes(),
+                    contiguous = in.flags().row_contiguous,
+                    itemsize = in.itemsize(),
+                    shape = in.shape(),
+                    strides = in.strides()]() {
+    if (contiguous) {
+      std::memcpy(dst, src, nbytes);
+      return;
+    }
+    // Strided source (a broadcast or sliced buffer): gather element by element.
+    int64_t n = nbytes / itemsize;
+    for (int64_t e = 0; e < n; ++e) {
+      int64_t rem = e, at = 0;
+      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+        at += (rem % shape[d]) * strides[d];
+        rem /= shape[d];
+      }
+      std::memcpy(dst + e * itemsize, src + at * itemsize, itemsize);
+    }
+  });
+}
+
+} // namespace
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& codes_out = outputs[0];
+  auto& scales_out = outputs[1];
+  take_buffer(inputs[0], codes_out, s);
+  take_buffer(inputs[1], scales_out, s);
+  auto& x = inputs[2];
+  auto& centroids = inputs[3];
+
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  encoder.set_input_array(x);
+  encoder.set_input_array(centroids);
+  encoder.set_output_array(codes_out);
+  encoder.set_output_array(scales_out);
+
+  int batch = x.shape(0), heads = x.shape(1), length = x.shape(2), head_dim = x.shape(3);
+  int capacity = codes_out.shape(2), words = codes_out.shape(3);
+  encoder.dispatch([x_ptr = x.data<float>(),
+                    c_ptr = centroids.data<float>(),
+                    codes_ptr = codes_out.data<uint32_t>(),
+                    scales_ptr = scales_out.data<mx::float16_t>(),
+                    bits = prim.bits(),
+                    offset = prim.offset(),
+                    batch,
+                    heads,
+                    length,
+                    head_dim,
+                    capacity,
+                    words]() {
+    int n_vectors = batch * heads * length;
+    // Refuse non-finite input before writing anything, so a bad token never lands
+    // in the cache.
+    for (int v = 0; v < n_vectors; ++v) {
+      const float* y = x_ptr + static_cast<int64_t>(v) * head_dim;
+      for (int i = 0; i < head_dim; ++i) {
+        if (!std::isfinite(y[i])) {
+          std::ostringstream msg;
+          msg << "[turboquant_mlx.quantize_append] token " << v % length << " of head "
+              << (v / length) % heads << " (batch " << v / (length * heads)
+              << ") has a non-finite value " << y[i] << " at coordinate " << i
+              << "; nothing was written.";
+          throw std::invalid_argument(msg.str());
+        }
+      }
+    }
+    auto bounds = boundaries(c_ptr, bits);
+    parallel_for(
+        n_vectors,
+        [&](int v) {
+          int bh = v / length, t = offset + v % length;
+          int64_t slot = static_cast<int64_t>(bh) * capacity + t;
+          uint8_t codes[256];
+          auto q = quantize_vector(
+              x_ptr + static_cast<int64_t>(v) * head_dim, head_dim, c_ptr, bounds, codes);
+          pack_codes(codes, head_dim, bits, codes_ptr + slot * words);
+          scales_ptr[slot] = static_cast<mx::float16_t>(q.scale);
+        },
+        /* min_items = */ 256);
+  });
+}
+
+} // namespace turboquant_mlx::cpu

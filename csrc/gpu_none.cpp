@@ -1,0 +1,49 @@
+// Builds without GPU kernels (Linux CPU wheels): the Python layer sends GPU streams
+// to the plain-MLX fallbacks, so reaching these is a routing bug, reported as such.
+#include <stdexcept>
+
+#include "gpu.h"
+
+namespace turboquant_mlx::gpu {
+
+bool available() {
+  return false;
+}
+
+const char* backend_name() {
+  return "none";
+}
+
+namespace {
+[[noreturn]] void no_kernels(const char* op) {
+  throw std::runtime_error(
+      std::string("[turboquant_mlx.") + op +
+      "] this build has no GPU kernels; use the CPU stream or the plain-MLX fallback.");
+}
+} // namespace
+
+void quantize_append(
+    const QuantizeAppend&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  no_kernels("quantize_append");
+}
+
+void attention(
+    const CompressedAttention&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  no_kernels("compressed_attention");
+}
+
+void dequantize(
+    const Dequantize&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  no_kernels("dequantize");
+}
+
+} // namespace turboquant_mlx::gpu

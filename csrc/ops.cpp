@@ -1,0 +1,337 @@
+#include "ops.h"
+
+#include <sstream>
+
+#include "primitives.h"
+
+namespace turboquant_mlx {
+
+namespace {
+
+// Throws std::invalid_argument("[turboquant_mlx.<op>] ...") built from the arguments.
+template <typename... Args>
+[[noreturn]] void fail(const char* op, Args&&... args) {
+  std::ostringstream msg;
+  msg << "[turboquant_mlx." << op << "] ";
+  (msg << ... << args);
+  throw std::invalid_argument(msg.str());
+}
+
+std::string shape_str(const mx::Shape& shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    s << (i ? ", " : "") << shape[i];
+  }
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void check_bits(const char* op, const char* what, int bits) {
+  if (bits != 2 && bits != 3 && bits != 4) {
+    fail(op, what, " must be 2, 3 or 4, got ", bits, ".");
+  }
+}
+
+void check_head_dim(const char* op, int head_dim) {
+  if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
+    fail(
+        op,
+        "head dim must be a multiple of 32 in [32, 256], got ",
+        head_dim,
+        ".");
+  }
+}
+
+void check_float(const char* op, const char* what, const mx::array& a) {
+  if (!mx::issubdtype(a.dtype(), mx::floating)) {
+    fail(op, what, " must be float32, float16 or bfloat16, got ", a.dtype(), ".");
+  }
+}
+
+// Checks one cache buffer pair (codes, scales) and returns its capacity.
+int check_cache(
+    const char* op,
+    const char* what,
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& centroids,
+    int bits) {
+  check_bits(op, what, bits);
+  if (codes.dtype() != mx::uint32 || codes.ndim() != 4) {
+    fail(
+        op,
+        what,
+        " codes must be uint32 of shape (B, H, capacity, words), got ",
+        codes.dtype(),
+        " ",
+        shape_str(codes.shape()),
+        ".");
+  }
+  int words = codes.shape(3);
+  if ((words * 32) % bits != 0) {
+    fail(op, what, " codes have ", words, " words per token, not a multiple of bits.");
+  }
+  check_head_dim(op, words * 32 / bits);
+  auto expect = mx::Shape{codes.shape(0), codes.shape(1), codes.shape(2)};
+  if (scales.dtype() != mx::float16 || scales.shape() != expect) {
+    fail(
+        op,
+        what,
+        " scales must be float16 of shape ",
+        shape_str(expect),
+        ", got ",
+        scales.dtype(),
+        " ",
+        shape_str(scales.shape()),
+        ".");
+  }
+  if (centroids.ndim() != 1 || centroids.shape(0) != (1 << bits)) {
+    fail(
+        op,
+        what,
+        " centroids must have shape (",
+        1 << bits,
+        ",) for ",
+        bits,
+        " bits, got ",
+        shape_str(centroids.shape()),
+        ".");
+  }
+  check_float(op, "centroids", centroids);
+  return codes.shape(2);
+}
+
+} // namespace
+
+int words_per_token(int head_dim, int bits) {
+  check_bits("words_per_token", "bits", bits);
+  check_head_dim("words_per_token", head_dim);
+  return head_dim * bits / 32;
+}
+
+std::vector<mx::array> quantize_append(
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& x_rot,
+    const mx::array& centroids,
+    int offset,
+    int bits,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "quantize_append";
+  int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
+  check_float(op, "x", x_rot);
+  if (x_rot.ndim() != 4) {
+    fail(op, "x must have shape (B, H, L, D), got ", shape_str(x_rot.shape()), ".");
+  }
+  int head_dim = x_rot.shape(3);
+  check_head_dim(op, head_dim);
+  if (head_dim * bits / 32 != codes.shape(3)) {
+    fail(
+        op,
+        "x has head dim ",
+        head_dim,
+        " but the codes hold ",
+        codes.shape(3) * 32 / bits,
+        " coordinates per token at ",
+        bits,
+        " bits.");
+  }
+  if (x_rot.shape(0) != codes.shape(0) || x_rot.shape(1) != codes.shape(1)) {
+    fail(
+        op,
+        "x has batch/heads ",
+        shape_str(x_rot.shape()),
+        " but the cache has ",
+        shape_str(codes.shape()),
+        ".");
+  }
+  int length = x_rot.shape(2);
+  if (offset < 0) {
+    fail(op, "offset must be >= 0, got ", offset, ".");
+  }
+  if (static_cast<int64_t>(offset) + length > capacity) {
+    fail(
+        op,
+        "capacity overflow: appending ",
+        length,
+        " tokens at offset ",
+        offset,
+        " exceeds the capacity ",
+        capacity,
+        ".");
+  }
+  auto stream = mx::to_stream(s);
+  // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
+  auto x = mx::contiguous(mx::astype(x_rot, mx::float32, stream), false, stream);
+  auto c = mx::astype(centroids, mx::float32, stream);
+  // The cache buffers go in as they are, so the primitive can donate them; it copies
+  // them itself if they are not row-contiguous or still referenced elsewhere.
+  return mx::array::make_arrays(
+      {codes.shape(), scales.shape()},
+      {mx::uint32, mx::float16},
+      std::make_shared<QuantizeAppend>(stream, bits, offset),
+      {codes, scales, x, c});
+}
+
+std::vector<mx::array> compressed_attention(
+    const mx::array& q_rot,
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int kv_len,
+    float scale,
+    int key_bits,
+    int value_bits,
+    bool causal,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "compressed_attention";
+  int k_cap = check_cache(op, "key", k_codes, k_scales, k_centroids, key_bits);
+  int v_cap = check_cache(op, "value", v_codes, v_scales, v_centroids, value_bits);
+  check_float(op, "queries", q_rot);
+  if (q_rot.ndim() != 4) {
+    fail(op, "queries must have shape (B, Hq, L, D), got ", shape_str(q_rot.shape()), ".");
+  }
+  int batch = q_rot.shape(0), n_q_heads = q_rot.shape(1), q_len = q_rot.shape(2),
+      head_dim = q_rot.shape(3);
+  check_head_dim(op, head_dim);
+  if (q_len < 1 || q_len > 8) {
+    fail(
+        op,
+        "query length must be in [1, 8] (use dequantize + scaled_dot_product_attention "
+        "for prefill), got ",
+        q_len,
+        ".");
+  }
+  for (auto* codes : {&k_codes, &v_codes}) {
+    if (codes->shape(0) != batch) {
+      fail(op, "queries have batch ", batch, " but the cache has ", codes->shape(0), ".");
+    }
+  }
+  if (k_codes.shape(1) != v_codes.shape(1)) {
+    fail(
+        op,
+        "key and value caches have different head counts: ",
+        k_codes.shape(1),
+        " vs ",
+        v_codes.shape(1),
+        ".");
+  }
+  int n_kv_heads = k_codes.shape(1);
+  if (n_q_heads % n_kv_heads != 0) {
+    fail(
+        op,
+        "query heads (",
+        n_q_heads,
+        ") must be a multiple of the KV heads (",
+        n_kv_heads,
+        ").");
+  }
+  if (k_codes.shape(3) * 32 / key_bits != head_dim ||
+      v_codes.shape(3) * 32 / value_bits != head_dim) {
+    fail(
+        op,
+        "queries have head dim ",
+        head_dim,
+        " but the key/value caches hold ",
+        k_codes.shape(3) * 32 / key_bits,
+        "/",
+        v_codes.shape(3) * 32 / value_bits,
+        " coordinates per token.");
+  }
+  if (kv_len < q_len || kv_len > std::min(k_cap, v_cap)) {
+    fail(
+        op,
+        "kv_len must be in [query length ",
+        q_len,
+        ", capacity ",
+        std::min(k_cap, v_cap),
+        "], got ",
+        kv_len,
+        ".");
+  }
+  if (!(scale > 0.0f) || !std::isfinite(scale)) {
+    fail(op, "scale must be a positive finite number, got ", scale, ".");
+  }
+
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::astype(q_rot, mx::float32, stream), false, stream),
+      mx::contiguous(k_codes, false, stream),
+      mx::contiguous(k_scales, false, stream),
+      mx::contiguous(v_codes, false, stream),
+      mx::contiguous(v_scales, false, stream),
+      mx::astype(k_centroids, mx::float32, stream),
+      mx::astype(v_centroids, mx::float32, stream)};
+  AttentionParams params{
+      kv_len, scale, key_bits, value_bits, causal, mask.has_value(), false};
+  if (mask) {
+    auto target = mx::Shape{batch, n_q_heads, q_len, kv_len};
+    if (mask->ndim() > 4) {
+      fail(op, "mask must have at most 4 dims, got ", shape_str(mask->shape()), ".");
+    }
+    // Right-align and check broadcastability against (B, Hq, L, kv_len).
+    for (int i = 0; i < mask->ndim(); ++i) {
+      int m = mask->shape(mask->ndim() - 1 - i), t = target[3 - i];
+      if (m != 1 && m != t) {
+        fail(
+            op,
+            "mask of shape ",
+            shape_str(mask->shape()),
+            " does not broadcast to (B, Hq, L, kv_len) = ",
+            shape_str(target),
+            ".");
+      }
+    }
+    params.mask_is_bool = mask->dtype() == mx::bool_;
+    if (!params.mask_is_bool) {
+      check_float(op, "mask", *mask);
+    }
+    // A broadcast view: kernels index it through its strides (0 on broadcast axes).
+    auto m = params.mask_is_bool ? *mask : mx::astype(*mask, mx::float32, stream);
+    inputs.push_back(mx::broadcast_to(m, target, stream));
+  }
+  return mx::array::make_arrays(
+      {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},
+      {mx::float32, mx::float32},
+      std::make_shared<CompressedAttention>(stream, params),
+      std::move(inputs));
+}
+
+mx::array dequantize(
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& centroids,
+    int bits,
+    int start,
+    int length,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "dequantize";
+  int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
+  if (start < 0 || length < 0 || static_cast<int64_t>(start) + length > capacity) {
+    fail(
+        op,
+        "tokens [",
+        start,
+        ", ",
+        static_cast<int64_t>(start) + length,
+        ") are outside the capacity ",
+        capacity,
+        ".");
+  }
+  auto stream = mx::to_stream(s);
+  int head_dim = codes.shape(3) * 32 / bits;
+  return mx::array(
+      {codes.shape(0), codes.shape(1), length, head_dim},
+      mx::float32,
+      std::make_shared<Dequantize>(stream, bits, start, length),
+      {mx::contiguous(codes, false, stream),
+       mx::contiguous(scales, false, stream),
+       mx::astype(centroids, mx::float32, stream)});
+}
+
+} // namespace turboquant_mlx

@@ -1,0 +1,127 @@
+// Primitives of turboquant_mlx. Each holds only its settings; the work is done by
+// eval_cpu (csrc/cpu/) and eval_gpu (csrc/cuda/ or csrc/metal/, see gpu.h).
+// Data layouts: docs/ARCHITECTURE.md.
+#pragma once
+
+#include <vector>
+
+#include "mlx/primitives.h"
+
+namespace turboquant_mlx {
+
+namespace mx = mlx::core;
+
+/// Quantizes rotated tokens and writes codes + scales into the cache buffers.
+/// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, x_rot (B,H,L,D) float, centroids (2^b) f32
+/// outputs: codes, scales (same shapes; share the input buffers when donatable)
+class QuantizeAppend : public mx::Primitive {
+ public:
+  QuantizeAppend(mx::Stream stream, int bits, int offset)
+      : mx::Primitive(stream), bits_(bits), offset_(offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+
+  const char* name() const override {
+    return "QuantizeAppend";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[1].shape()};
+  }
+
+  int bits() const {
+    return bits_;
+  }
+  int offset() const {
+    return offset_;
+  }
+
+ private:
+  int bits_;
+  int offset_;
+};
+
+/// Settings of one attention call over the compressed cache.
+struct AttentionParams {
+  int kv_len; // valid keys 0..kv_len-1
+  float scale; // softmax scale applied to q·k
+  int key_bits;
+  int value_bits;
+  bool causal; // query i sees keys j <= kv_len - L + i
+  bool has_mask; // inputs[7] is a mask
+  bool mask_is_bool; // true: keep where mask; false: additive
+
+  bool operator==(const AttentionParams& o) const {
+    return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
+        value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
+        mask_is_bool == o.mask_is_bool;
+  }
+};
+
+/// Attention of a few queries over the compressed cache, in rotated space.
+/// inputs:  q_rot (B,Hq,L,D) float, k_codes, k_scales, v_codes, v_scales,
+///          k_centroids, v_centroids [, mask (B,Hq,L,kv_len) bool/float, broadcast allowed]
+/// outputs: out (B,Hq,L,D) f32, lse (B,Hq,L) f32
+class CompressedAttention : public mx::Primitive {
+ public:
+  CompressedAttention(mx::Stream stream, AttentionParams params)
+      : mx::Primitive(stream), params_(params) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+
+  const char* name() const override {
+    return "CompressedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+  const AttentionParams& params() const {
+    return params_;
+  }
+
+ private:
+  AttentionParams params_;
+};
+
+/// Decodes tokens start..start+length-1 of one cache buffer into rotated-space vectors.
+/// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, centroids (2^b) f32
+/// outputs: (B,H,length,D) f32
+class Dequantize : public mx::Primitive {
+ public:
+  Dequantize(mx::Stream stream, int bits, int start, int length)
+      : mx::Primitive(stream), bits_(bits), start_(start), length_(length) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+
+  const char* name() const override {
+    return "Dequantize";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+  int bits() const {
+    return bits_;
+  }
+  int start() const {
+    return start_;
+  }
+  int length() const {
+    return length_;
+  }
+
+ private:
+  int bits_;
+  int start_;
+  int length_;
+};
+
+} // namespace turboquant_mlx

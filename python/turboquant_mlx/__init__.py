@@ -1,0 +1,5 @@
+"""TurboQuant KV-cache compression for MLX."""
+
+from . import _ext
+
+__version__ = "0.1.0"
