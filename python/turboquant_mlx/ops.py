@@ -1,0 +1,111 @@
+"""Public ops on the compressed cache (rotated space; see docs/ARCHITECTURE.md).
+
+Each op runs the C++ primitive when the target device has kernels in this build (the
+CPU always does; the GPU when built with Metal or CUDA) and the plain-MLX fallback
+otherwise, so the package works everywhere MLX does.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from . import _ext, fallback
+
+__all__ = [
+    "words_per_token",
+    "has_kernels",
+    "quantize_append",
+    "compressed_attention",
+    "dequantize",
+]
+
+words_per_token = _ext.words_per_token
+
+
+def _device(stream) -> mx.Device:
+    if stream is None:
+        return mx.default_device()
+    return stream if isinstance(stream, mx.Device) else stream.device
+
+
+def has_kernels(stream=None) -> bool:
+    """Whether the ops run hand-written kernels (not the fallback) on ``stream``."""
+    return _device(stream).type == mx.cpu or _ext.gpu_available()
+
+
+def quantize_append(
+    codes: mx.array,
+    scales: mx.array,
+    x_rot: mx.array,
+    centroids: mx.array,
+    offset: int,
+    bits: int,
+    *,
+    stream=None,
+):
+    """Quantize rotated tokens ``(B, H, L, D)`` into the cache at ``offset``.
+
+    Returns:
+        tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
+        old arrays so the primitive can reuse their buffers (O(L) instead of a copy).
+    """
+    if has_kernels(stream):
+        codes, scales = _ext.quantize_append(
+            codes, scales, x_rot, centroids, offset, bits, stream=stream
+        )
+        return codes, scales
+    _ext.words_per_token(x_rot.shape[-1], bits)  # same validation as the kernel path
+    with mx.stream(stream) if stream is not None else _nullcontext():
+        return fallback.quantize_append(codes, scales, x_rot, centroids, offset, bits)
+
+
+def compressed_attention(
+    q_rot: mx.array,
+    k_codes: mx.array,
+    k_scales: mx.array,
+    v_codes: mx.array,
+    v_scales: mx.array,
+    k_centroids: mx.array,
+    v_centroids: mx.array,
+    kv_len: int,
+    scale: float,
+    key_bits: int,
+    value_bits: int,
+    causal: bool = True,
+    mask: Optional[mx.array] = None,
+    *,
+    stream=None,
+):
+    """Attention of rotated queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens.
+
+    Returns:
+        tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 in rotated space and the
+        log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.
+    """
+    if has_kernels(stream):
+        out, lse = _ext.compressed_attention(
+            q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
+            kv_len, scale, key_bits, value_bits, causal, mask, stream=stream,
+        )
+        return out, lse
+    with mx.stream(stream) if stream is not None else _nullcontext():
+        return fallback.compressed_attention(
+            q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
+            kv_len, scale, key_bits, value_bits, causal, mask,
+        )
+
+
+def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *, stream=None):
+    """Rotated-space float32 vectors ``(B, H, length, D)`` of tokens ``[start, start+length)``."""
+    if has_kernels(stream):
+        return _ext.dequantize(codes, scales, centroids, bits, start, length, stream=stream)
+    with mx.stream(stream) if stream is not None else _nullcontext():
+        return fallback.dequantize(codes, scales, centroids, bits, start, length)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
