@@ -15,11 +15,12 @@ bool available();
 /// Name of the GPU backend compiled in: "cuda", "metal" or "none".
 const char* backend_name();
 
+/// One QuantizeAppend node: writes prim.target() (codes or scales) into outputs[0].
 void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
+    mx::array& output);
 
 void attention(
     const CompressedAttention& prim,

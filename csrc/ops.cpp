@@ -165,13 +165,16 @@ std::vector<mx::array> quantize_append(
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
   auto x = mx::contiguous(mx::astype(x_rot, mx::float32, stream), false, stream);
   auto c = mx::astype(centroids, mx::float32, stream);
-  // The cache buffers go in as they are, so the primitive can donate them; it copies
-  // them itself if they are not row-contiguous or still referenced elsewhere.
-  return mx::array::make_arrays(
-      {codes.shape(), scales.shape()},
-      {mx::uint32, mx::float16},
-      std::make_shared<QuantizeAppend>(stream, bits, offset),
-      {codes, scales, x, c});
+  // The cache buffers go in as they are, one node each, so each node can donate its
+  // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
+  auto node = [&](const mx::array& buffer, AppendTarget target) {
+    return mx::array(
+        buffer.shape(),
+        buffer.dtype(),
+        std::make_shared<QuantizeAppend>(stream, bits, offset, target),
+        {buffer, x, c});
+  };
+  return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
 }
 
 std::vector<mx::array> compressed_attention(

@@ -11,25 +11,31 @@ namespace turboquant_mlx {
 
 namespace mx = mlx::core;
 
-/// Quantizes rotated tokens and writes codes + scales into the cache buffers.
-/// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, x_rot (B,H,L,D) float, centroids (2^b) f32
-/// outputs: codes, scales (same shapes; share the input buffers when donatable)
-class QuantizeAppend : public mx::Primitive {
- public:
-  QuantizeAppend(mx::Stream stream, int bits, int offset)
-      : mx::Primitive(stream), bits_(bits), offset_(offset) {}
+/// Which cache buffer a QuantizeAppend node writes.
+enum class AppendTarget { Codes, Scales };
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+/// Quantizes rotated tokens and writes either their packed codes or their scales into
+/// a cache buffer at `offset`. The op builds one node per buffer: a node with several
+/// outputs can never reuse (donate) its inputs' buffers in MLX, because every output
+/// holds a reference to the inputs; single-output nodes can, which makes an append
+/// O(new tokens). Each node re-derives the codes of the few new tokens, which is cheap.
+/// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x_rot (B,H,L,D) f32,
+///          centroids (2^b) f32
+/// outputs: the buffer (shares the input buffer when donatable, else a copy)
+class QuantizeAppend : public mx::UnaryPrimitive {
+ public:
+  QuantizeAppend(mx::Stream stream, int bits, int offset, AppendTarget target)
+      : mx::UnaryPrimitive(stream), bits_(bits), offset_(offset), target_(target) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
 
   const char* name() const override {
-    return "QuantizeAppend";
+    return target_ == AppendTarget::Codes ? "QuantizeAppendCodes" : "QuantizeAppendScales";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape(), inputs[1].shape()};
+    return {inputs[0].shape()};
   }
 
   int bits() const {
@@ -38,10 +44,14 @@ class QuantizeAppend : public mx::Primitive {
   int offset() const {
     return offset_;
   }
+  AppendTarget target() const {
+    return target_;
+  }
 
  private:
   int bits_;
   int offset_;
+  AppendTarget target_;
 };
 
 /// Settings of one attention call over the compressed cache.

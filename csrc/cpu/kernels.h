@@ -11,7 +11,7 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
+    mx::array& output);
 
 void attention(
     const CompressedAttention& prim,

@@ -13,6 +13,9 @@ namespace turboquant_mlx::cpu {
 
 namespace {
 
+// Largest vector norm whose scale (≈ norm, since ‖c‖ ≈ 1) still fits in float16.
+constexpr float kMaxNorm = 60000.0f;
+
 // Makes `out` hold the cache buffer: the input's own buffer when it can be donated
 // (the O(new tokens) path), otherwise a copy.
 void take_buffer(const mx::array& in, mx::array& out, const mx::Stream& s) {
@@ -54,26 +57,24 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  auto& codes_out = outputs[0];
-  auto& scales_out = outputs[1];
-  take_buffer(inputs[0], codes_out, s);
-  take_buffer(inputs[1], scales_out, s);
-  auto& x = inputs[2];
-  auto& centroids = inputs[3];
+    mx::array& out) {
+  take_buffer(inputs[0], out, s);
+  auto& x = inputs[1];
+  auto& centroids = inputs[2];
 
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(x);
   encoder.set_input_array(centroids);
-  encoder.set_output_array(codes_out);
-  encoder.set_output_array(scales_out);
+  encoder.set_output_array(out);
 
   int batch = x.shape(0), heads = x.shape(1), length = x.shape(2), head_dim = x.shape(3);
-  int capacity = codes_out.shape(2), words = codes_out.shape(3);
+  int capacity = out.shape(2);
+  bool write_codes = prim.target() == AppendTarget::Codes;
+  int words = write_codes ? out.shape(3) : 0;
   encoder.dispatch([x_ptr = x.data<float>(),
                     c_ptr = centroids.data<float>(),
-                    codes_ptr = codes_out.data<uint32_t>(),
-                    scales_ptr = scales_out.data<mx::float16_t>(),
+                    codes_ptr = write_codes ? out.data<uint32_t>() : nullptr,
+                    scales_ptr = write_codes ? nullptr : out.data<mx::float16_t>(),
                     bits = prim.bits(),
                     offset = prim.offset(),
                     batch,
@@ -85,17 +86,31 @@ void quantize_append(
     int n_vectors = batch * heads * length;
     // Refuse non-finite input before writing anything, so a bad token never lands
     // in the cache.
+    auto where = [&](int v) {
+      std::ostringstream at;
+      at << "token " << v % length << " of head " << (v / length) % heads << " (batch "
+         << v / (length * heads) << ")";
+      return at.str();
+    };
     for (int v = 0; v < n_vectors; ++v) {
       const float* y = x_ptr + static_cast<int64_t>(v) * head_dim;
+      float norm2 = 0.0f;
       for (int i = 0; i < head_dim; ++i) {
         if (!std::isfinite(y[i])) {
           std::ostringstream msg;
-          msg << "[turboquant_mlx.quantize_append] token " << v % length << " of head "
-              << (v / length) % heads << " (batch " << v / (length * heads)
-              << ") has a non-finite value " << y[i] << " at coordinate " << i
-              << "; nothing was written.";
+          msg << "[turboquant_mlx.quantize_append] " << where(v) << " has a non-finite value "
+              << y[i] << " at coordinate " << i << "; nothing was written.";
           throw std::invalid_argument(msg.str());
         }
+        norm2 += y[i] * y[i];
+      }
+      // The scale is stored as float16 (max 65504) and is about the vector's norm.
+      if (!(norm2 < kMaxNorm * kMaxNorm)) {
+        std::ostringstream msg;
+        msg << "[turboquant_mlx.quantize_append] " << where(v) << " has norm "
+            << std::sqrt(norm2) << ", beyond the float16 scale range (" << kMaxNorm
+            << "); nothing was written.";
+        throw std::invalid_argument(msg.str());
       }
     }
     auto bounds = boundaries(c_ptr, bits);
@@ -107,8 +122,11 @@ void quantize_append(
           uint8_t codes[256];
           auto q = quantize_vector(
               x_ptr + static_cast<int64_t>(v) * head_dim, head_dim, c_ptr, bounds, codes);
-          pack_codes(codes, head_dim, bits, codes_ptr + slot * words);
-          scales_ptr[slot] = static_cast<mx::float16_t>(q.scale);
+          if (codes_ptr) {
+            pack_codes(codes, head_dim, bits, codes_ptr + slot * words);
+          } else {
+            scales_ptr[slot] = static_cast<mx::float16_t>(q.scale);
+          }
         },
         /* min_items = */ 256);
   });
