@@ -50,6 +50,23 @@ struct Shapes {
   }
 };
 
+// Dot product with independent partial sums: a single running sum is a serial chain
+// of dependent adds that the compiler may not reorder (and so cannot vectorize).
+inline float dot(const float* a, const float* b, int n) {
+  constexpr int kLanes = 16;
+  float part[kLanes] = {};
+  for (int i = 0; i < n; i += kLanes) { // n is a multiple of 32
+    for (int k = 0; k < kLanes; ++k) {
+      part[k] += a[i + k] * b[i + k];
+    }
+  }
+  float sum = 0.0f;
+  for (int k = 0; k < kLanes; ++k) {
+    sum += part[k];
+  }
+  return sum;
+}
+
 struct Partial {
   std::vector<float> max, sum, acc; // per row; acc is rows × head_dim
 };
@@ -90,12 +107,7 @@ void attention_impl(
       k_decoder.decode(kc + static_cast<int64_t>(j) * sh.k_words, D, row.data());
       float gamma = static_cast<float>(ks[j]) * p.scale;
       for (int r = 0; r < R; ++r) {
-        const float* qr = q_rows + r * D;
-        float dot = 0.0f;
-        for (int i = 0; i < D; ++i) {
-          dot += qr[i] * row[i];
-        }
-        scores[static_cast<size_t>(r) * n + j] = dot * gamma;
+        scores[static_cast<size_t>(r) * n + j] = dot(q_rows + r * D, row.data(), D) * gamma;
       }
     }
 
