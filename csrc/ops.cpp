@@ -29,7 +29,7 @@ std::string shape_str(const mx::Shape& shape) {
 
 void check_bits(const char* op, const char* what, int bits) {
   if (bits != 2 && bits != 3 && bits != 4) {
-    fail(op, what, " must be 2, 3 or 4, got ", bits, ".");
+    fail(op, what, " bits must be 2, 3 or 4, got ", bits, ".");
   }
 }
 
@@ -44,7 +44,7 @@ void check_head_dim(const char* op, int head_dim) {
 }
 
 void check_float(const char* op, const char* what, const mx::array& a) {
-  if (!mx::issubdtype(a.dtype(), mx::floating)) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16) {
     fail(op, what, " must be float32, float16 or bfloat16, got ", a.dtype(), ".");
   }
 }
@@ -105,7 +105,7 @@ int check_cache(
 } // namespace
 
 int words_per_token(int head_dim, int bits) {
-  check_bits("words_per_token", "bits", bits);
+  check_bits("words_per_token", "requested", bits);
   check_head_dim("words_per_token", head_dim);
   return head_dim * bits / 32;
 }

@@ -13,8 +13,8 @@ namespace turboquant_mlx::cpu {
 
 namespace {
 
-// Largest vector norm whose scale (≈ norm, since ‖c‖ ≈ 1) still fits in float16.
-constexpr float kMaxNorm = 60000.0f;
+// Largest finite float16: scales are stored in it.
+constexpr float kMaxFloat16 = 65504.0f;
 
 // Makes `out` hold the cache buffer: the input's own buffer when it can be donated
 // (the O(new tokens) path), otherwise a copy.
@@ -94,7 +94,6 @@ void quantize_append(
     };
     for (int v = 0; v < n_vectors; ++v) {
       const float* y = x_ptr + static_cast<int64_t>(v) * head_dim;
-      float norm2 = 0.0f;
       for (int i = 0; i < head_dim; ++i) {
         if (!std::isfinite(y[i])) {
           std::ostringstream msg;
@@ -102,33 +101,46 @@ void quantize_append(
               << y[i] << " at coordinate " << i << "; nothing was written.";
           throw std::invalid_argument(msg.str());
         }
-        norm2 += y[i] * y[i];
-      }
-      // The scale is stored as float16 (max 65504) and is about the vector's norm.
-      if (!(norm2 < kMaxNorm * kMaxNorm)) {
-        std::ostringstream msg;
-        msg << "[turboquant_mlx.quantize_append] " << where(v) << " has norm "
-            << std::sqrt(norm2) << ", beyond the float16 scale range (" << kMaxNorm
-            << "); nothing was written.";
-        throw std::invalid_argument(msg.str());
       }
     }
+    // Quantize everything into scratch first, so that a token whose scale does not
+    // fit float16 is refused before anything is written.
     auto bounds = boundaries(c_ptr, bits);
+    std::vector<uint8_t> codes(static_cast<size_t>(n_vectors) * head_dim);
+    std::vector<QuantizedVector> results(n_vectors);
     parallel_for(
         n_vectors,
         [&](int v) {
-          int bh = v / length, t = offset + v % length;
-          int64_t slot = static_cast<int64_t>(bh) * capacity + t;
-          uint8_t codes[256];
-          auto q = quantize_vector(
-              x_ptr + static_cast<int64_t>(v) * head_dim, head_dim, c_ptr, bounds, codes);
-          if (codes_ptr) {
-            pack_codes(codes, head_dim, bits, codes_ptr + slot * words);
-          } else {
-            scales_ptr[slot] = static_cast<mx::float16_t>(q.scale);
-          }
+          results[v] = quantize_vector(
+              x_ptr + static_cast<int64_t>(v) * head_dim,
+              head_dim,
+              c_ptr,
+              bounds,
+              codes.data() + static_cast<size_t>(v) * head_dim);
         },
         /* min_items = */ 256);
+    for (int v = 0; v < n_vectors; ++v) {
+      if (!(results[v].scale <= kMaxFloat16)) {
+        std::ostringstream msg;
+        msg << "[turboquant_mlx.quantize_append] " << where(v) << " has norm "
+            << results[v].norm << ": its scale " << results[v].scale
+            << " exceeds the float16 range (" << kMaxFloat16 << "); nothing was written.";
+        throw std::invalid_argument(msg.str());
+      }
+    }
+    for (int v = 0; v < n_vectors; ++v) {
+      int bh = v / length, t = offset + v % length;
+      int64_t slot = static_cast<int64_t>(bh) * capacity + t;
+      if (codes_ptr) {
+        pack_codes(
+            codes.data() + static_cast<size_t>(v) * head_dim,
+            head_dim,
+            bits,
+            codes_ptr + slot * words);
+      } else {
+        scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
+      }
+    }
   });
 }
 

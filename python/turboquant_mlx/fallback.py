@@ -84,10 +84,25 @@ def _check_finite(x: mx.array):
         )
 
 
+def _check_scales(x: mx.array, scales: mx.array):
+    """Refuses tokens whose float16 scale (norm / ||c||) overflows to inf."""
+    overflow = np.array(mx.logical_not(mx.isfinite(scales)))
+    if overflow.any():
+        y = x.astype(mx.float32)
+        norms = np.array(mx.sqrt(mx.sum(y * y, axis=-1)))
+        b, h, t = np.argwhere(overflow)[0]
+        raise ValueError(
+            f"[turboquant_mlx.quantize_append] token {t} of head {h} (batch {b}) has norm "
+            f"{norms[b, h, t]:g}: its scale exceeds the float16 range (65504); "
+            "nothing was written."
+        )
+
+
 def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int):
     """Fallback of ops.quantize_append (same contract; costs a buffer copy)."""
     _check_finite(x_rot)
     q, s = quantize(x_rot, centroids, bits)
+    _check_scales(x_rot, s)
     length = x_rot.shape[2]
     codes = mx.array(codes)
     scales = mx.array(scales)

@@ -1,0 +1,10 @@
+// Attention kernels for float16 queries, head dims 32..128, every bit-width pair.
+#include "tq_entry.cuh"
+
+namespace turboquant_mlx::cuda_kernels {
+
+const void* attention_kernel_f16_lo(int d, int kb, int vb) {
+  return attention_kernel_for<__half, 32, 128>(d, kb, vb);
+}
+
+} // namespace turboquant_mlx::cuda_kernels

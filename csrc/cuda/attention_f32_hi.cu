@@ -1,0 +1,10 @@
+// Attention kernels for float32 queries, head dims 160..256, every bit-width pair.
+#include "tq_entry.cuh"
+
+namespace turboquant_mlx::cuda_kernels {
+
+const void* attention_kernel_f32_hi(int d, int kb, int vb) {
+  return attention_kernel_for<float, 160, 256>(d, kb, vb);
+}
+
+} // namespace turboquant_mlx::cuda_kernels

@@ -1,0 +1,488 @@
+// GPU backend on MLX's CUDA build: picks the kernel instantiation, sizes the grid,
+// allocates outputs and records the launches in MLX's CUDA command encoder.
+//
+// Two facts of MLX's CUDA build shape this file:
+//   - libmlx.so links its own static CUDA runtime, so a __global__ function of this
+//     module must be handed to MLX's encoder as a driver handle (CUfunction) taken
+//     with cudaGetFuncBySymbol from this module's runtime;
+//   - libmlx.so exports neither its stream-ordered device allocator nor copy_gpu.
+//     mx::allocator::malloc gives managed memory, and MLX's buffer cache converts a
+//     recycled device buffer to managed memory with a synchronous copy. Outputs and
+//     temporaries therefore come from a small device-memory pool of this module
+//     (DevicePool below); TURBOQUANT_CUDA_POOL=0 switches back to mx::allocator.
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+
+#include "gpu.h"
+#include "tq_entry.cuh"
+
+namespace turboquant_mlx::gpu {
+
+namespace ck = turboquant_mlx::cuda_kernels;
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::ostringstream msg;
+    msg << "[turboquant_mlx] CUDA error in " << what << ": " << cudaGetErrorString(err);
+    throw std::runtime_error(msg.str());
+  }
+}
+
+/// Driver handle of one of this module's kernels (cached).
+CUfunction get_function(const void* symbol, const char* name) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, CUfunction> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(symbol);
+  if (it != cache.end()) {
+    return it->second;
+  }
+  if (symbol == nullptr) {
+    std::ostringstream msg;
+    msg << "[turboquant_mlx] no CUDA kernel compiled for " << name << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  cudaFunction_t f = nullptr;
+  check(cudaGetFuncBySymbol(&f, symbol), name);
+  auto h = reinterpret_cast<CUfunction>(f);
+  cache.emplace(symbol, h);
+  return h;
+}
+
+int sm_count(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) {
+    return it->second;
+  }
+  int n = 0;
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "sm count");
+  cache.emplace(device, n);
+  return n;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : fallback;
+}
+
+/// Device-memory pool for outputs and temporaries. Buffers are allocated stream-ordered
+/// on MLX's stream (as MLX's own allocator does) and recycled by size, never returned
+/// while the process runs. A buffer that MLX moved to managed memory (a host read of the
+/// array) is freed instead of recycled.
+class DevicePool {
+ public:
+  static DevicePool& get() {
+    static DevicePool* pool = new DevicePool(); // never destroyed: outlives every array
+    return *pool;
+  }
+
+  mx::allocator::Data alloc(size_t nbytes, int device, cudaStream_t stream) {
+    size_t size = round_size(nbytes);
+    mx::cu::CudaBuffer* buf = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(std::make_pair(device, size));
+      if (it != free_.end()) {
+        buf = it->second;
+        free_.erase(it);
+      }
+    }
+    if (buf == nullptr) {
+      void* data = nullptr;
+      check(cudaMallocAsync(&data, size, stream), "cudaMallocAsync");
+      buf = new mx::cu::CudaBuffer{data, size, device};
+    }
+    return mx::allocator::Data(
+        mx::allocator::Buffer(buf), [this](mx::allocator::Buffer b) { release(b); });
+  }
+
+ private:
+  static size_t round_size(size_t n) {
+    if (n <= 256) {
+      return 256;
+    }
+    size_t p = 256;
+    while (p < n) {
+      p <<= 1;
+    }
+    return p <= (size_t(1) << 24) ? p : ((n + (size_t(1) << 20) - 1) >> 20) << 20;
+  }
+
+  void release(mx::allocator::Buffer b) {
+    auto* buf = static_cast<mx::cu::CudaBuffer*>(b.ptr());
+    if (buf == nullptr) {
+      return;
+    }
+    if (buf->device < 0) {
+      // MLX moved it to managed memory (a host read); its device memory is gone.
+      cudaFree(buf->data);
+      delete buf;
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace(std::make_pair(buf->device, buf->size), buf);
+  }
+
+  std::mutex mu_;
+  std::multimap<std::pair<int, size_t>, mx::cu::CudaBuffer*> free_;
+};
+
+/// Gives `a` fresh device memory of a.nbytes().
+void allocate(mx::array& a, mx::cu::CommandEncoder& enc) {
+  static const bool use_pool = env_int("TURBOQUANT_CUDA_POOL", 1) != 0;
+  if (use_pool && a.nbytes() > 0) {
+    a.set_data(DevicePool::get().alloc(
+        a.nbytes(), enc.device().cuda_device(), static_cast<cudaStream_t>(enc.stream())));
+  } else {
+    a.set_data(mx::allocator::malloc(a.nbytes()));
+  }
+}
+
+template <typename T>
+const T* cptr(const mx::array& a) {
+  return mx::gpu_ptr<T>(a);
+}
+template <typename T>
+T* mptr(mx::array& a) {
+  return mx::gpu_ptr<T>(a);
+}
+
+/// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
+/// O(new tokens) path), else a row-contiguous copy.
+void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return;
+  }
+  allocate(out, enc);
+  TQCopyParams p{};
+  int nd = in.ndim();
+  for (int a = 0; a < 4; ++a) {
+    int src = a - (4 - nd);
+    p.shape[a] = src >= 0 ? in.shape(src) : 1;
+    p.stride[a] = src >= 0 ? in.strides()[src] : 0;
+  }
+  p.size = static_cast<int64_t>(in.size());
+  if (p.size == 0) {
+    return;
+  }
+  auto f = get_function(ck::copy_kernel(static_cast<int>(in.itemsize())), "copy");
+  enc.set_input_array(in);
+  enc.set_output_array(out);
+  const void* src = mx::gpu_ptr<void>(in);
+  void* dst = mx::gpu_ptr<void>(out);
+  dim3 grid(static_cast<unsigned>((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
+}
+
+/// Attention kernel shape for a runtime head dim (see TQAttnConfig).
+struct AttnShape {
+  int DL, RC, STEP;
+};
+
+AttnShape attn_shape(int d) {
+  AttnShape s{0, 0, 0};
+  ck::dispatch_head_dim(d, [&](auto dd) {
+    using C = TQAttnConfig<decltype(dd)::value>;
+    s = {C::DL, C::RC, C::STEP};
+  });
+  return s;
+}
+
+/// Whether lanes can load their code words of a cache with 2/4-word vector loads.
+bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
+  int nb = dl * bits;
+  if (nb % 32 != 0) {
+    return false;
+  }
+  int na = nb / 32;
+  if (na != 2 && na != 4) {
+    return false;
+  }
+  auto addr = reinterpret_cast<uintptr_t>(mx::gpu_ptr<void>(codes));
+  if (addr % (4 * na) != 0) {
+    return false;
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (codes.strides()[a] % na != 0) {
+      return false;
+    }
+  }
+  return codes.strides()[3] == 1;
+}
+
+} // namespace
+
+bool available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+const char* backend_name() {
+  return "cuda";
+}
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  take_buffer(inputs[0], out, enc);
+  auto& x = inputs[1];
+  auto& cent = inputs[2];
+  const int head_dim = x.shape(3);
+  const bool codes = prim.target() == AppendTarget::Codes;
+
+  TQQuantParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.x_stride[a] = x.strides()[a];
+    if (codes) {
+      p.c_stride[a] = out.strides()[a];
+    } else {
+      p.s_stride[a] = out.strides()[a];
+    }
+  }
+  p.batch = x.shape(0);
+  p.heads = x.shape(1);
+  p.length = x.shape(2);
+  p.offset = prim.offset();
+  p.write_codes = codes ? 1 : 0;
+  const int64_t n = int64_t(p.batch) * p.heads * p.length;
+  if (n == 0) {
+    return;
+  }
+  auto f = get_function(ck::quantize_kernel(head_dim, prim.bits()), "quantize_append");
+  enc.set_input_array(x);
+  enc.set_input_array(cent);
+  enc.set_output_array(out);
+  const float* xp = cptr<float>(x);
+  const float* cp = cptr<float>(cent);
+  unsigned int* cw = codes ? mptr<unsigned int>(out) : nullptr;
+  void* sc = codes ? nullptr : mx::gpu_ptr<void>(out);
+  dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, cw, sc, p);
+}
+
+void attention(
+    const CompressedAttention& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  const auto& ap = prim.params();
+  auto& q = inputs[0];
+  auto& kc = inputs[1];
+  auto& ks = inputs[2];
+  auto& vc = inputs[3];
+  auto& vs = inputs[4];
+  auto& kcent = inputs[5];
+  auto& vcent = inputs[6];
+  auto& out = outputs[0];
+  auto& lse = outputs[1];
+
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hkv = kc.shape(1);
+  if (!ck::supported_head_dim(D)) {
+    std::ostringstream msg;
+    msg << "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
+           "are multiples of 32 in [32, 256], got "
+        << D << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (q.strides()[3] != 1) {
+    throw std::invalid_argument(
+        "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
+  }
+  AttnShape sh = attn_shape(D);
+
+  allocate(out, enc);
+  allocate(lse, enc);
+
+  TQAttnParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.q_stride[a] = q.strides()[a];
+    p.kc_stride[a] = kc.strides()[a];
+    p.ks_stride[a] = ks.strides()[a];
+    p.vc_stride[a] = vc.strides()[a];
+    p.vs_stride[a] = vs.strides()[a];
+  }
+  p.batch = B;
+  p.q_heads = Hq;
+  p.kv_heads = Hkv;
+  p.q_len = L;
+  p.kv_len = ap.kv_len;
+  p.gqa = Hq / Hkv;
+  p.rows = p.gqa * L;
+  const int n_chunks = (p.rows + sh.RC - 1) / sh.RC;
+  p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
+  p.scale_log2 = ap.scale * 1.4426950408889634f;
+  p.causal = ap.causal ? 1 : 0;
+  p.vec_k = vector_loads_ok(kc, sh.DL, ap.key_bits) ? 1 : 0;
+  p.vec_v = vector_loads_ok(vc, sh.DL, ap.value_bits) ? 1 : 0;
+
+  const unsigned char* mask_ptr = nullptr;
+  if (ap.has_mask) {
+    auto& m = inputs[7];
+    for (int a = 0; a < 4; ++a) {
+      p.mask_stride[a] = m.strides()[a];
+    }
+    switch (m.dtype()) {
+      case mx::bool_: p.mask_kind = 1; break;
+      case mx::float32: p.mask_kind = 2; break;
+      case mx::float16: p.mask_kind = 3; break;
+      case mx::bfloat16: p.mask_kind = 4; break;
+      default:
+        throw std::invalid_argument(
+            "[turboquant_mlx.compressed_attention] mask must be bool or floating point.");
+    }
+    mask_ptr = cptr<unsigned char>(m);
+  }
+
+  // Split the keys so that the grid fills the GPU several times over (whole waves of
+  // the ~2 resident threadgroups per SM), with at least two steps per split.
+  const int units = B * Hkv * n_chunks;
+  const int target = env_int("TURBOQUANT_ATTN_CTAS", 8 * sm_count(enc.device().cuda_device()));
+  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
+  if (splits <= 0) {
+    splits = (target + units - 1) / units;
+  }
+  const int min_split = 2 * sh.STEP;
+  const int max_splits = std::max(1, (ap.kv_len + min_split - 1) / min_split);
+  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
+  int split_len = (ap.kv_len + splits - 1) / splits;
+  split_len = std::max(sh.STEP, (split_len + sh.STEP - 1) / sh.STEP * sh.STEP);
+  splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
+  p.n_splits = splits;
+  p.split_len = split_len;
+
+  const bool lo = D <= 128;
+  const int kb = ap.key_bits, vb = ap.value_bits;
+  const void* sym = nullptr;
+  switch (q.dtype()) {
+    case mx::float32:
+      sym = lo ? ck::attention_kernel_f32_lo(D, kb, vb) : ck::attention_kernel_f32_hi(D, kb, vb);
+      break;
+    case mx::float16:
+      sym = lo ? ck::attention_kernel_f16_lo(D, kb, vb) : ck::attention_kernel_f16_hi(D, kb, vb);
+      break;
+    case mx::bfloat16:
+      sym = lo ? ck::attention_kernel_bf16_lo(D, kb, vb)
+               : ck::attention_kernel_bf16_hi(D, kb, vb);
+      break;
+    default:
+      throw std::invalid_argument(
+          "[turboquant_mlx.compressed_attention] queries must be float32, float16 or bfloat16.");
+  }
+  auto f = get_function(sym, "compressed_attention");
+
+  const int rows_total = B * Hq * L;
+  mx::array o_part({1}, mx::float32, nullptr, {});
+  mx::array ml_part({1}, mx::float32, nullptr, {});
+  if (splits > 1) {
+    o_part = mx::array({rows_total, splits, D}, mx::float32, nullptr, {});
+    ml_part = mx::array({rows_total, splits, 2}, mx::float32, nullptr, {});
+    allocate(o_part, enc);
+    allocate(ml_part, enc);
+    enc.add_temporary(o_part);
+    enc.add_temporary(ml_part);
+  }
+
+  for (int i = 0; i < 7; ++i) {
+    enc.set_input_array(inputs[i]);
+  }
+  if (ap.has_mask) {
+    enc.set_input_array(inputs[7]);
+  }
+  float* op = nullptr;
+  float* mlp = nullptr;
+  if (splits > 1) {
+    enc.set_output_array(o_part);
+    enc.set_output_array(ml_part);
+    op = mptr<float>(o_part);
+    mlp = mptr<float>(ml_part);
+  } else {
+    enc.set_output_array(out);
+    enc.set_output_array(lse);
+  }
+  const void* qp = mx::gpu_ptr<void>(q);
+  const unsigned int* kcp = cptr<unsigned int>(kc);
+  const void* ksp = mx::gpu_ptr<void>(ks);
+  const unsigned int* vcp = cptr<unsigned int>(vc);
+  const void* vsp = mx::gpu_ptr<void>(vs);
+  const float* kcentp = cptr<float>(kcent);
+  const float* vcentp = cptr<float>(vcent);
+  float* outp = mptr<float>(out);
+  float* lsep = mptr<float>(lse);
+  dim3 grid(n_chunks, splits, B * Hkv);
+  enc.add_kernel_node_ex(
+      f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
+      mask_ptr, outp, lsep, op, mlp, p);
+
+  if (splits > 1) {
+    auto fm = get_function(ck::attention_merge_kernel(D), "compressed_attention merge");
+    TQMergeParams mp{rows_total, splits};
+    enc.set_input_array(o_part);
+    enc.set_input_array(ml_part);
+    enc.set_output_array(out);
+    enc.set_output_array(lse);
+    const float* opc = op;
+    const float* mlc = mlp;
+    enc.add_kernel_node_ex(
+        fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, outp, lsep, mp);
+  }
+}
+
+void dequantize(
+    const Dequantize& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  auto& codes = inputs[0];
+  auto& scales = inputs[1];
+  auto& cent = inputs[2];
+  auto& out = outputs[0];
+  allocate(out, enc);
+
+  TQDequantParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.c_stride[a] = codes.strides()[a];
+    p.s_stride[a] = scales.strides()[a];
+  }
+  p.batch = out.shape(0);
+  p.heads = out.shape(1);
+  p.start = prim.start();
+  p.length = prim.length();
+  p.head_dim = out.shape(3);
+  const int64_t total = int64_t(out.size());
+  if (total == 0) {
+    return;
+  }
+  auto f = get_function(ck::dequantize_kernel(prim.bits()), "dequantize");
+  enc.set_input_array(codes);
+  enc.set_input_array(scales);
+  enc.set_input_array(cent);
+  enc.set_output_array(out);
+  const unsigned int* cp = cptr<unsigned int>(codes);
+  const void* sp = mx::gpu_ptr<void>(scales);
+  const float* tp = cptr<float>(cent);
+  float* outp = mptr<float>(out);
+  dim3 grid(static_cast<unsigned>((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS));
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_DEQUANT_THREADS), dim3(), 0u, cp, sp, tp, outp, p);
+}
+
+} // namespace turboquant_mlx::gpu

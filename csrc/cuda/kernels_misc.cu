@@ -1,0 +1,44 @@
+// Split-K merge, quantize, dequantize and copy kernels.
+#include "tq_entry.cuh"
+
+namespace turboquant_mlx::cuda_kernels {
+
+const void* attention_merge_kernel(int d) {
+  const void* k = nullptr;
+  dispatch_head_dim(d, [&](auto dd) {
+    k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<decltype(dd)::value>);
+  });
+  return k;
+}
+
+const void* quantize_kernel(int d, int b) {
+  const void* k = nullptr;
+  dispatch_head_dim(d, [&](auto dd) {
+    dispatch_bits(b, [&](auto bb) {
+      k = reinterpret_cast<const void*>(
+          &tq_quantize_kernel<decltype(dd)::value, decltype(bb)::value>);
+    });
+  });
+  return k;
+}
+
+const void* dequantize_kernel(int b) {
+  const void* k = nullptr;
+  dispatch_bits(b, [&](auto bb) {
+    k = reinterpret_cast<const void*>(&tq_dequantize_kernel<decltype(bb)::value>);
+  });
+  return k;
+}
+
+const void* copy_kernel(int itemsize) {
+  switch (itemsize) {
+    case 4:
+      return reinterpret_cast<const void*>(&tq_copy_kernel<unsigned int>);
+    case 2:
+      return reinterpret_cast<const void*>(&tq_copy_kernel<unsigned short>);
+    default:
+      return nullptr;
+  }
+}
+
+} // namespace turboquant_mlx::cuda_kernels

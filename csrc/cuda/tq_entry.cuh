@@ -1,0 +1,150 @@
+// CUDA entry points: thin __global__ wrappers over the shared kernel bodies in
+// metal/tq_kernels.h (the same code the Metal build instantiates), plus the table
+// through which the host code finds the instantiation it needs.
+#pragma once
+
+#include "tq_kernels.h"
+
+namespace turboquant_mlx::cuda_kernels {
+
+__device__ __forceinline__ TQThread tq_thread() {
+  TQThread th;
+  th.tg_x = blockIdx.x;
+  th.tg_y = blockIdx.y;
+  th.tg_z = blockIdx.z;
+  th.tid = threadIdx.x;
+  th.lane = threadIdx.x & 31u;
+  th.simd = threadIdx.x >> 5;
+  return th;
+}
+
+template <typename QT, int D, int KB, int VB>
+__global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_kernel(
+    const QT* __restrict__ q,
+    const unsigned int* __restrict__ k_codes,
+    const __half* __restrict__ k_scales,
+    const unsigned int* __restrict__ v_codes,
+    const __half* __restrict__ v_scales,
+    const float* __restrict__ k_cent,
+    const float* __restrict__ v_cent,
+    const unsigned char* __restrict__ mask,
+    float* __restrict__ out,
+    float* __restrict__ lse,
+    float* __restrict__ o_part,
+    float* __restrict__ ml_part,
+    const __grid_constant__ TQAttnParams p) {
+  __shared__ float smem[TQAttnConfig<D>::SMEM];
+  tq_attention_impl<QT, D, KB, VB>(
+      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
+      ml_part, p, smem, tq_thread());
+}
+
+template <int D>
+__global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
+    const float* __restrict__ o_part,
+    const float* __restrict__ ml_part,
+    float* __restrict__ out,
+    float* __restrict__ lse,
+    const __grid_constant__ TQMergeParams p) {
+  __shared__ float smem[TQ_MAX_SPLITS];
+  tq_attention_merge_impl<D>(o_part, ml_part, out, lse, p, smem, tq_thread());
+}
+
+template <int D, int B>
+__global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_kernel(
+    const float* __restrict__ x,
+    const float* __restrict__ cent,
+    unsigned int* __restrict__ codes,
+    __half* __restrict__ scales,
+    const __grid_constant__ TQQuantParams p) {
+  __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
+  tq_quantize_impl<D, B>(x, cent, codes, scales, p, smem, tq_thread());
+}
+
+template <int B>
+__global__ void __launch_bounds__(TQ_DEQUANT_THREADS) tq_dequantize_kernel(
+    const unsigned int* __restrict__ codes,
+    const __half* __restrict__ scales,
+    const float* __restrict__ cent,
+    float* __restrict__ out,
+    const __grid_constant__ TQDequantParams p) {
+  __shared__ float smem[16];
+  tq_dequantize_impl<B>(codes, scales, cent, out, p, smem, tq_thread());
+}
+
+template <typename T>
+__global__ void __launch_bounds__(TQ_COPY_THREADS)
+    tq_copy_kernel(const T* __restrict__ src, T* __restrict__ dst, const __grid_constant__ TQCopyParams p) {
+  tq_copy_impl<T>(src, dst, p, tq_thread());
+}
+
+// Query element types, as the kernels read them.
+enum class QType { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+
+/// Head dims with compiled kernels: multiples of 32 from 32 to 256.
+inline bool supported_head_dim(int d) {
+  return d >= 32 && d <= 256 && d % 32 == 0;
+}
+
+// Host-side lookup of instantiations, defined in separate .cu files (per query type
+// and head-dim range) so that the many instantiations compile in parallel. Each returns
+// the kernel's address (for cudaGetFuncBySymbol) or nullptr for an unsupported
+// combination. "lo": head dims 32..128, "hi": 160..256.
+const void* attention_kernel_f32_lo(int d, int kb, int vb);
+const void* attention_kernel_f32_hi(int d, int kb, int vb);
+const void* attention_kernel_f16_lo(int d, int kb, int vb);
+const void* attention_kernel_f16_hi(int d, int kb, int vb);
+const void* attention_kernel_bf16_lo(int d, int kb, int vb);
+const void* attention_kernel_bf16_hi(int d, int kb, int vb);
+const void* attention_merge_kernel(int d);
+const void* quantize_kernel(int d, int b);
+const void* dequantize_kernel(int b);
+const void* copy_kernel(int itemsize);
+
+/// Calls f(std::integral_constant<int, D>{}) for a supported runtime head dim.
+template <typename F>
+bool dispatch_head_dim(int d, F&& f) {
+  switch (d) {
+    case 32: f(std::integral_constant<int, 32>{}); return true;
+    case 64: f(std::integral_constant<int, 64>{}); return true;
+    case 96: f(std::integral_constant<int, 96>{}); return true;
+    case 128: f(std::integral_constant<int, 128>{}); return true;
+    case 160: f(std::integral_constant<int, 160>{}); return true;
+    case 192: f(std::integral_constant<int, 192>{}); return true;
+    case 224: f(std::integral_constant<int, 224>{}); return true;
+    case 256: f(std::integral_constant<int, 256>{}); return true;
+    default: return false;
+  }
+}
+
+/// Calls f(std::integral_constant<int, B>{}) for B in {2, 3, 4}.
+template <typename F>
+bool dispatch_bits(int b, F&& f) {
+  switch (b) {
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    default: return false;
+  }
+}
+
+/// The attention kernel for query type QT at runtime (d, kb, vb), for head dims in
+/// [DLO, DHI] (others give nullptr without being instantiated).
+template <typename QT, int DLO, int DHI>
+const void* attention_kernel_for(int d, int kb, int vb) {
+  const void* k = nullptr;
+  dispatch_head_dim(d, [&](auto dd) {
+    constexpr int D = decltype(dd)::value;
+    if constexpr (D >= DLO && D <= DHI) {
+      dispatch_bits(kb, [&](auto kk) {
+        dispatch_bits(vb, [&](auto vv) {
+          k = reinterpret_cast<const void*>(
+              &tq_attention_kernel<QT, D, decltype(kk)::value, decltype(vv)::value>);
+        });
+      });
+    }
+  });
+  return k;
+}
+
+} // namespace turboquant_mlx::cuda_kernels

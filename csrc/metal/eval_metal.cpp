@@ -1,0 +1,361 @@
+// GPU backend on MLX's Metal build (macOS): names the kernel instantiation of
+// metal/turboquant.metal, takes its pipeline from MLX's per-library cache, binds the
+// buffers and dispatches. The kernel bodies are the ones the CUDA build runs
+// (metal/tq_kernels.h); the grid and split-K logic mirror csrc/cuda/eval_cuda.cu.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/backend/metal/device.h"
+
+#include "gpu.h"
+#include "tq_params.h"
+
+namespace turboquant_mlx::gpu {
+
+namespace {
+
+/// Directory of the loaded extension module; turboquant_mlx.metallib sits beside it.
+const std::string& binary_dir() {
+  static const std::string dir = []() {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void*>(&binary_dir), &info)) {
+      throw std::runtime_error("[turboquant_mlx] cannot locate the extension module.");
+    }
+    return std::filesystem::path(info.dli_fname).parent_path().string();
+  }();
+  return dir;
+}
+
+/// Pipeline of one kernel of turboquant_mlx.metallib (MLX caches it by name).
+MTL::ComputePipelineState* get_kernel(mx::metal::Device& d, const std::string& name) {
+  auto* lib = d.get_library("turboquant_mlx", binary_dir());
+  return d.get_kernel(name, lib);
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : fallback;
+}
+
+bool supported_head_dim(int d) {
+  return d >= 32 && d <= 256 && d % 32 == 0;
+}
+
+const char* type_name(mx::Dtype t) {
+  switch (t) {
+    case mx::float32: return "float32";
+    case mx::float16: return "float16";
+    case mx::bfloat16: return "bfloat16";
+    default:
+      throw std::invalid_argument(
+          "[turboquant_mlx.compressed_attention] queries must be float32, float16 or bfloat16.");
+  }
+}
+
+/// TQAttnConfig<D> at runtime.
+struct AttnShape {
+  int DL, RC, STEP;
+};
+
+AttnShape attn_shape(int d) {
+  AttnShape s{0, 0, 0};
+  switch (d) {
+#define TQ_SHAPE_CASE(n) \
+  case n: s = {TQAttnConfig<n>::DL, TQAttnConfig<n>::RC, TQAttnConfig<n>::STEP}; break;
+    TQ_SHAPE_CASE(32)
+    TQ_SHAPE_CASE(64)
+    TQ_SHAPE_CASE(96)
+    TQ_SHAPE_CASE(128)
+    TQ_SHAPE_CASE(160)
+    TQ_SHAPE_CASE(192)
+    TQ_SHAPE_CASE(224)
+    TQ_SHAPE_CASE(256)
+#undef TQ_SHAPE_CASE
+    default: break;
+  }
+  return s;
+}
+
+bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
+  int nb = dl * bits;
+  if (nb % 32 != 0) {
+    return false;
+  }
+  int na = nb / 32;
+  if (na != 2 && na != 4) {
+    return false;
+  }
+  if ((codes.offset() / 4) % na != 0) {
+    return false;
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (codes.strides()[a] % na != 0) {
+      return false;
+    }
+  }
+  return codes.strides()[3] == 1;
+}
+
+/// Makes `out` hold the cache buffer `in`: its own memory when donatable, else a
+/// row-contiguous copy made by tq_copy_u32 / tq_copy_u16.
+void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, const mx::Stream& s) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  TQCopyParams p{};
+  int nd = in.ndim();
+  for (int a = 0; a < 4; ++a) {
+    int src = a - (4 - nd);
+    p.shape[a] = src >= 0 ? in.shape(src) : 1;
+    p.stride[a] = src >= 0 ? in.strides()[src] : 0;
+  }
+  p.size = static_cast<int64_t>(in.size());
+  if (p.size == 0) {
+    return;
+  }
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(get_kernel(d, in.itemsize() == 4 ? "tq_copy_u32" : "tq_copy_u16"));
+  enc.set_input_array(in, 0);
+  enc.set_output_array(out, 1);
+  enc.set_bytes(p, 2);
+  enc.dispatch_threadgroups(
+      MTL::Size((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS, 1, 1),
+      MTL::Size(TQ_COPY_THREADS, 1, 1));
+}
+
+} // namespace
+
+bool available() {
+  return true;
+}
+
+const char* backend_name() {
+  return "metal";
+}
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& d = mx::metal::device(s.device);
+  take_buffer(inputs[0], out, d, s);
+  auto& x = inputs[1];
+  auto& cent = inputs[2];
+  const int head_dim = x.shape(3);
+  if (!supported_head_dim(head_dim)) {
+    std::ostringstream msg;
+    msg << "[turboquant_mlx.quantize_append] the Metal kernels support head dims that are "
+           "multiples of 32 in [32, 256], got "
+        << head_dim << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  const bool codes = prim.target() == AppendTarget::Codes;
+  TQQuantParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.x_stride[a] = x.strides()[a];
+    if (codes) {
+      p.c_stride[a] = out.strides()[a];
+    } else {
+      p.s_stride[a] = out.strides()[a];
+    }
+  }
+  p.batch = x.shape(0);
+  p.heads = x.shape(1);
+  p.length = x.shape(2);
+  p.offset = prim.offset();
+  p.write_codes = codes ? 1 : 0;
+  const int64_t n = int64_t(p.batch) * p.heads * p.length;
+  if (n == 0) {
+    return;
+  }
+  std::ostringstream name;
+  name << "tq_quantize_d" << head_dim << "_b" << prim.bits();
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(get_kernel(d, name.str()));
+  enc.set_input_array(x, 0);
+  enc.set_input_array(cent, 1);
+  // The unused one of codes / scales is bound to the output too; the kernel writes
+  // only the one p.write_codes names.
+  enc.set_output_array(out, 2);
+  enc.set_output_array(out, 3);
+  enc.set_bytes(p, 4);
+  enc.dispatch_threadgroups(
+      MTL::Size((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS, 1, 1),
+      MTL::Size(TQ_QUANT_THREADS, 1, 1));
+}
+
+void attention(
+    const CompressedAttention& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& d = mx::metal::device(s.device);
+  const auto& ap = prim.params();
+  auto& q = inputs[0];
+  auto& kc = inputs[1];
+  auto& vc = inputs[3];
+  auto& out = outputs[0];
+  auto& lse = outputs[1];
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hkv = kc.shape(1);
+  if (!supported_head_dim(D)) {
+    std::ostringstream msg;
+    msg << "[turboquant_mlx.compressed_attention] the Metal kernels support head dims that "
+           "are multiples of 32 in [32, 256], got "
+        << D << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  if (q.strides()[3] != 1) {
+    throw std::invalid_argument(
+        "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
+  }
+  AttnShape sh = attn_shape(D);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  lse.set_data(mx::allocator::malloc(lse.nbytes()));
+
+  TQAttnParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.q_stride[a] = q.strides()[a];
+    p.kc_stride[a] = kc.strides()[a];
+    p.ks_stride[a] = inputs[2].strides()[a];
+    p.vc_stride[a] = vc.strides()[a];
+    p.vs_stride[a] = inputs[4].strides()[a];
+  }
+  p.batch = B;
+  p.q_heads = Hq;
+  p.kv_heads = Hkv;
+  p.q_len = L;
+  p.kv_len = ap.kv_len;
+  p.gqa = Hq / Hkv;
+  p.rows = p.gqa * L;
+  const int n_chunks = (p.rows + sh.RC - 1) / sh.RC;
+  p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
+  p.scale_log2 = ap.scale * 1.4426950408889634f;
+  p.causal = ap.causal ? 1 : 0;
+  p.vec_k = vector_loads_ok(kc, sh.DL, ap.key_bits) ? 1 : 0;
+  p.vec_v = vector_loads_ok(vc, sh.DL, ap.value_bits) ? 1 : 0;
+  if (ap.has_mask) {
+    auto& m = inputs[7];
+    for (int a = 0; a < 4; ++a) {
+      p.mask_stride[a] = m.strides()[a];
+    }
+    switch (m.dtype()) {
+      case mx::bool_: p.mask_kind = 1; break;
+      case mx::float32: p.mask_kind = 2; break;
+      case mx::float16: p.mask_kind = 3; break;
+      case mx::bfloat16: p.mask_kind = 4; break;
+      default:
+        throw std::invalid_argument(
+            "[turboquant_mlx.compressed_attention] mask must be bool or floating point.");
+    }
+  }
+
+  // Split the keys over enough threadgroups to keep every GPU core busy; Apple GPUs
+  // have 8 to 80 cores, so aim for a few hundred threadgroups (not tuned on hardware).
+  const int units = B * Hkv * n_chunks;
+  const int target = env_int("TURBOQUANT_ATTN_CTAS", 512);
+  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
+  if (splits <= 0) {
+    splits = (target + units - 1) / units;
+  }
+  const int min_split = 2 * sh.STEP;
+  const int max_splits = std::max(1, (ap.kv_len + min_split - 1) / min_split);
+  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
+  int split_len = (ap.kv_len + splits - 1) / splits;
+  split_len = std::max(sh.STEP, (split_len + sh.STEP - 1) / sh.STEP * sh.STEP);
+  splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
+  p.n_splits = splits;
+  p.split_len = split_len;
+
+  const int rows_total = B * Hq * L;
+  mx::array o_part = out;
+  mx::array ml_part = lse;
+  if (splits > 1) {
+    o_part = mx::array({rows_total, splits, D}, mx::float32, nullptr, {});
+    ml_part = mx::array({rows_total, splits, 2}, mx::float32, nullptr, {});
+    o_part.set_data(mx::allocator::malloc(o_part.nbytes()));
+    ml_part.set_data(mx::allocator::malloc(ml_part.nbytes()));
+  }
+
+  std::ostringstream name;
+  name << "tq_attention_" << type_name(q.dtype()) << "_d" << D << "_k" << ap.key_bits << "_v"
+       << ap.value_bits;
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(get_kernel(d, name.str()));
+  for (int i = 0; i < 7; ++i) {
+    enc.set_input_array(inputs[i], i);
+  }
+  // Without a mask, slot 7 is bound to the queries and never read.
+  enc.set_input_array(ap.has_mask ? inputs[7] : q, 7);
+  enc.set_output_array(out, 8);
+  enc.set_output_array(lse, 9);
+  enc.set_output_array(o_part, 10);
+  enc.set_output_array(ml_part, 11);
+  enc.set_bytes(p, 12);
+  enc.dispatch_threadgroups(
+      MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
+
+  if (splits > 1) {
+    TQMergeParams mp{rows_total, splits};
+    std::ostringstream merge;
+    merge << "tq_attention_merge_d" << D;
+    enc.set_compute_pipeline_state(get_kernel(d, merge.str()));
+    enc.set_input_array(o_part, 0);
+    enc.set_input_array(ml_part, 1);
+    enc.set_output_array(out, 2);
+    enc.set_output_array(lse, 3);
+    enc.set_bytes(mp, 4);
+    enc.dispatch_threadgroups(MTL::Size(rows_total, 1, 1), MTL::Size(TQ_MERGE_THREADS, 1, 1));
+    enc.add_temporary(o_part);
+    enc.add_temporary(ml_part);
+  }
+}
+
+void dequantize(
+    const Dequantize& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& d = mx::metal::device(s.device);
+  auto& codes = inputs[0];
+  auto& scales = inputs[1];
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  TQDequantParams p{};
+  for (int a = 0; a < 3; ++a) {
+    p.c_stride[a] = codes.strides()[a];
+    p.s_stride[a] = scales.strides()[a];
+  }
+  p.batch = out.shape(0);
+  p.heads = out.shape(1);
+  p.start = prim.start();
+  p.length = prim.length();
+  p.head_dim = out.shape(3);
+  const int64_t total = int64_t(out.size());
+  if (total == 0) {
+    return;
+  }
+  std::ostringstream name;
+  name << "tq_dequantize_b" << prim.bits();
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(get_kernel(d, name.str()));
+  enc.set_input_array(codes, 0);
+  enc.set_input_array(scales, 1);
+  enc.set_input_array(inputs[2], 2);
+  enc.set_output_array(out, 3);
+  enc.set_bytes(p, 4);
+  enc.dispatch_threadgroups(
+      MTL::Size((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS, 1, 1),
+      MTL::Size(TQ_DEQUANT_THREADS, 1, 1));
+}
+
+} // namespace turboquant_mlx::gpu

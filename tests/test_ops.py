@@ -1,0 +1,919 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""Tests of the three compressed-cache ops on the CPU backend (C++ kernels).
+
+Expected values come from the NumPy reference (reference.py): codes and scales of
+``quantize_append`` bit-exact (up to boundary ties that summation order may flip),
+``dequantize`` exact, ``compressed_attention`` against float64 attention on the cache
+that the reference dequantizes from the very same codes. Caches are poisoned beyond
+the valid tokens so that any read or write outside the contract shows. The axes of
+the attention tests are each covered in full, not as one cartesian product, to keep
+the file fast on two cores.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import (
+    POISON_SCALE_BITS,
+    assert_codes_and_scales,
+    assert_op_error,
+    assert_scales_close,
+    centroids_np,
+    near_boundary,
+    poisoned_cache,
+    random_tokens,
+    reference_cache,
+    to_np,
+)
+from turboquant_mlx import codebook, fallback, ops, reference
+from turboquant_mlx.rotation import Rotation
+
+HEAD_DIMS = (64, 96, 128, 256)
+BITS = (2, 3, 4)
+BIT_PAIRS = ((2, 2), (3, 3), (4, 4), (4, 2), (3, 4), (2, 4), (4, 3))
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def cpu_default_device():
+    """The ops under test are the CPU kernels."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
+def mx_cache(words, scales):
+    return mx.array(words), mx.array(scales)
+
+
+# ---------------------------------------------------------------------------
+# quantize_append
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_quantize_append_matches_reference(head_dim, bits):
+    rng = np.random.default_rng(1000 * head_dim + bits)
+    case = HEAD_DIMS.index(head_dim) * len(BITS) + BITS.index(bits)
+    length = (1, 7, 33, 65)[case % 4]  # odd token counts, one a single token
+    dtype = FLOAT_DTYPES[case % 3]
+    batch, heads, offset, capacity = 2, 3, 3, length + 8
+    x = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(dtype)
+    x_used = to_np(x)  # what the op sees after its cast to float32
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+
+    new_words, new_scales = ops.quantize_append(*mx_cache(words, scales), x, c, offset, bits)
+    assert new_words.dtype == mx.uint32 and new_words.shape == words.shape
+    assert new_scales.dtype == mx.float16 and new_scales.shape == scales.shape
+    new_words, new_scales = np.array(new_words), np.array(new_scales)
+
+    written = slice(offset, offset + length)
+    assert_codes_and_scales(new_words[:, :, written], new_scales[:, :, written], x_used, bits)
+    # The zero vector: every coordinate gets the code above the negative boundaries.
+    zero_codes = reference.unpack(new_words[:, :, offset], bits, head_dim)
+    assert (zero_codes == (1 << (bits - 1)) - 1).all()
+    assert (new_scales[:, :, offset] == 0).all()
+    # Slots outside [offset, offset + length) keep their poison bit for bit.
+    untouched = np.ones(capacity, bool)
+    untouched[written] = False
+    np.testing.assert_array_equal(new_words[:, :, untouched], words[:, :, untouched])
+    np.testing.assert_array_equal(
+        new_scales[:, :, untouched].view(np.uint16), scales[:, :, untouched].view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", (96, 256))
+def test_quantize_append_at_several_offsets_touches_only_its_slots(head_dim, bits):
+    rng = np.random.default_rng(7 * head_dim + bits)
+    batch, heads, capacity = 2, 2, 29
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    # Out of order, with gaps, ending at the last slot and starting at slot 0; one
+    # append of zero tokens.
+    appends = [(5, 3), (0, 1), (capacity - 2, 2), (11, 9), (3, 0), (8, 1)]
+    expected_tokens = {}
+    codes_mx, scales_mx = mx_cache(words, scales)
+    for offset, length in appends:
+        x = random_tokens(rng, (batch, heads, length, head_dim), spread=False)
+        codes_mx, scales_mx = ops.quantize_append(
+            codes_mx, scales_mx, mx.array(x), c, offset, bits
+        )
+        for t in range(length):
+            expected_tokens[offset + t] = x[:, :, t]
+    got_words, got_scales = np.array(codes_mx), np.array(scales_mx)
+
+    slots = sorted(expected_tokens)
+    x_all = np.stack([expected_tokens[s] for s in slots], axis=2)
+    assert_codes_and_scales(got_words[:, :, slots], got_scales[:, :, slots], x_all, bits)
+    untouched = [s for s in range(capacity) if s not in expected_tokens]
+    assert untouched, "the test must leave some slots unwritten"
+    np.testing.assert_array_equal(got_words[:, :, untouched], words[:, :, untouched])
+    assert (got_scales[:, :, untouched].view(np.uint16) == POISON_SCALE_BITS).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_sequential_appends_equal_one_append(bits):
+    rng = np.random.default_rng(bits)
+    batch, heads, head_dim, capacity = 2, 3, 128, 24
+    chunks = (1, 5, 1, 9, 3)
+    x = mx.array(random_tokens(rng, (batch, heads, sum(chunks), head_dim)))
+    c = mx.array(centroids_np(head_dim, bits))
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+
+    once_codes, once_scales = ops.quantize_append(*mx_cache(words, scales), x, c, 2, bits)
+    codes_mx, scales_mx = mx_cache(words, scales)
+    offset = 2
+    for n in chunks:
+        codes_mx, scales_mx = ops.quantize_append(
+            codes_mx, scales_mx, x[:, :, offset - 2 : offset - 2 + n], c, offset, bits
+        )
+        mx.eval(codes_mx, scales_mx)  # separate evaluations, not one fused graph
+        offset += n
+    np.testing.assert_array_equal(np.array(codes_mx), np.array(once_codes))
+    np.testing.assert_array_equal(
+        np.array(scales_mx).view(np.uint16), np.array(once_scales).view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize("buffer_kind", ("evaluated", "lazy", "broadcast", "strided"))
+def test_quantize_append_leaves_referenced_buffer_unchanged(buffer_kind):
+    rng = np.random.default_rng(3)
+    batch, heads, capacity, head_dim, bits = 2, 2, 10, 64, 3
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    if buffer_kind == "evaluated":
+        old_codes, old_scales = mx_cache(words, scales)
+        mx.eval(old_codes, old_scales)
+    elif buffer_kind == "lazy":  # still a graph node when the append is built
+        old_codes = mx.array(words) + mx.array(np.uint32(0))
+        old_scales = (mx.array(scales.view(np.uint16)) | 0).view(mx.float16)
+    elif buffer_kind == "broadcast":  # e.g. a cache created with broadcast_to
+        words = np.broadcast_to(words[:1, :1, :1], words.shape).copy()
+        scales = np.broadcast_to(scales[:1, :1, :1], scales.shape).copy()
+        old_codes = mx.broadcast_to(mx.array(words[:1, :1, :1]), words.shape)
+        old_scales = mx.broadcast_to(mx.array(scales[:1, :1, :1]), scales.shape)
+    else:  # every other slot of a larger buffer
+        old_codes = mx.array(np.repeat(words, 2, axis=2))[:, :, ::2]
+        old_scales = mx.array(np.repeat(scales, 2, axis=2))[:, :, ::2]
+    x = random_tokens(rng, (batch, heads, 4, head_dim), spread=False)
+    c = mx.array(centroids_np(head_dim, bits))
+
+    new_codes, new_scales = ops.quantize_append(old_codes, old_scales, mx.array(x), c, 5, bits)
+    mx.eval(new_codes, new_scales)
+    # The old arrays are still referenced here, so the op had to copy them.
+    np.testing.assert_array_equal(np.array(old_codes), words)
+    np.testing.assert_array_equal(np.array(old_scales).view(np.uint16), scales.view(np.uint16))
+    got_words, got_scales = np.array(new_codes), np.array(new_scales)
+    assert_codes_and_scales(got_words[:, :, 5:9], got_scales[:, :, 5:9], x, bits)
+    keep = [0, 1, 2, 3, 4, 9]
+    np.testing.assert_array_equal(got_words[:, :, keep], words[:, :, keep])
+    np.testing.assert_array_equal(
+        got_scales[:, :, keep].view(np.uint16), scales[:, :, keep].view(np.uint16)
+    )
+
+
+def test_quantize_append_reuses_an_unreferenced_buffer():
+    # O(new tokens), not O(capacity): appending one token to a large cache must not
+    # allocate a second copy of it.
+    head_dim, bits, capacity = 128, 4, 16384
+    codes = mx.zeros((1, 8, capacity, head_dim * bits // 32), mx.uint32)
+    scales = mx.zeros((1, 8, capacity), mx.float16)
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 8, 1, head_dim)), mx.float32)
+    c = mx.array(centroids_np(head_dim, bits))
+    mx.eval(codes, scales, x, c)
+    cache_bytes = codes.nbytes + scales.nbytes
+    for step in range(3):
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        codes, scales = ops.quantize_append(codes, scales, x, c, step, bits)
+        mx.eval(codes, scales)
+        extra = mx.get_peak_memory() - before
+        assert extra < 0.1 * cache_bytes, f"append {step} allocated {extra} bytes"
+
+
+def test_quantize_append_reads_strided_tokens():
+    # Models hand over (B, L, H, D) projections transposed to (B, H, L, D).
+    rng = np.random.default_rng(11)
+    batch, heads, length, head_dim, bits = 2, 4, 5, 96, 3
+    x_blhd = random_tokens(rng, (batch, length, heads, head_dim), spread=False)
+    x = mx.array(x_blhd).transpose(0, 2, 1, 3)
+    words, scales = poisoned_cache(rng, batch, heads, 8, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    got_words, got_scales = ops.quantize_append(*mx_cache(words, scales), x, c, 1, bits)
+    assert_codes_and_scales(
+        np.array(got_words)[:, :, 1:6],
+        np.array(got_scales)[:, :, 1:6],
+        x_blhd.transpose(0, 2, 1, 3),
+        bits,
+    )
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fallback_quantize_append_matches_kernel(head_dim, bits):
+    rng = np.random.default_rng(head_dim + 17 * bits)
+    batch, heads, length, capacity = 2, 2, 9, 12
+    x_np = random_tokens(rng, (batch, heads, length, head_dim))
+    x = mx.array(x_np)
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    k_codes, k_scales = ops.quantize_append(*mx_cache(words, scales), x, c, 2, bits)
+    old_codes, old_scales = mx_cache(words, scales)
+    f_codes, f_scales = fallback.quantize_append(old_codes, old_scales, x, c, 2, bits)
+    mx.eval(f_codes, f_scales)
+    np.testing.assert_array_equal(np.array(old_codes), words)  # copied, not modified
+    np.testing.assert_array_equal(np.array(old_scales).view(np.uint16), scales.view(np.uint16))
+    k_codes, k_scales = np.array(k_codes), np.array(k_scales)
+    f_codes, f_scales = np.array(f_codes), np.array(f_scales)
+    # Both follow the contract; they may differ only where a boundary tie can flip.
+    ambiguous = near_boundary(x_np, centroids_np(head_dim, bits))
+    k_unpacked = reference.unpack(k_codes[:, :, 2:11], bits, head_dim)
+    f_unpacked = reference.unpack(f_codes[:, :, 2:11], bits, head_dim)
+    np.testing.assert_array_equal(k_unpacked[~ambiguous], f_unpacked[~ambiguous])
+    assert_scales_close(f_scales[:, :, 2:11], k_scales[:, :, 2:11], skip=ambiguous.any(-1))
+    outside = [0, 1, 11]
+    np.testing.assert_array_equal(f_codes[:, :, outside], k_codes[:, :, outside])
+    np.testing.assert_array_equal(
+        f_scales[:, :, outside].view(np.uint16), k_scales[:, :, outside].view(np.uint16)
+    )
+
+
+# ---------------------------------------------------------------------------
+# dequantize
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_dequantize_matches_reference(head_dim, bits):
+    rng = np.random.default_rng(head_dim * bits)
+    batch, heads, capacity = 2, 3, 19
+    levels = 1 << bits
+    codes = rng.integers(0, levels, (batch, heads, capacity, head_dim))
+    codes[0, 0, 0] = np.arange(head_dim) % levels  # every code in every bit position
+    words = reference.pack(codes, bits)
+    scales = (rng.uniform(0.0, 40.0, (batch, heads, capacity))).astype(np.float16)
+    scales[1, 2, 3] = 0
+    c = centroids_np(head_dim, bits)
+    expected = reference.dequantize(codes, scales, c)
+    codes_mx, scales_mx = mx_cache(words, scales)
+    for start, length in ((0, capacity), (5, 7), (capacity - 1, 1), (4, 0)):
+        got = ops.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length)
+        assert got.dtype == mx.float32
+        assert got.shape == (batch, heads, length, head_dim)
+        np.testing.assert_array_equal(np.array(got), expected[:, :, start : start + length])
+        fb = fallback.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length)
+        np.testing.assert_array_equal(np.array(fb), expected[:, :, start : start + length])
+
+
+def test_dequantize_window_ignores_poison_and_strided_buffers():
+    rng = np.random.default_rng(5)
+    batch, heads, capacity, length, head_dim, bits = 2, 4, 40, 23, 128, 3
+    words, scales, expected = reference_cache(rng, batch, heads, capacity, length, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    # Heads 0 and 2 of a 4-head buffer: a non-contiguous view.
+    codes_mx, scales_mx = mx_cache(words, scales)
+    got = ops.dequantize(codes_mx[:, ::2], scales_mx[:, ::2], c, bits, 3, length - 3)
+    np.testing.assert_array_equal(np.array(got), expected[:, ::2, 3:])
+
+
+# ---------------------------------------------------------------------------
+# compressed_attention
+
+
+def make_mask(kind, rng, batch, q_heads, q_len, kv_len):
+    """An MLX mask of the given kind (None for "none")."""
+    if kind == "none":
+        return None
+    family, shape_kind = kind.split(":")
+    shapes = {
+        "kv": (kv_len,),
+        "L,kv": (q_len, kv_len),
+        "1,1,L,kv": (1, 1, q_len, kv_len),
+        "B,1,1,kv": (batch, 1, 1, kv_len),
+        "1,Hq,L,1": (1, q_heads, q_len, 1),
+        "B,Hq,L,kv": (batch, q_heads, q_len, kv_len),
+    }
+    if family == "bool":
+        m = rng.random(shapes.get(shape_kind, (q_len, kv_len))) < 0.7
+        if shape_kind == "transposed":  # a strided view of a (kv, L) array
+            return mx.array(np.ascontiguousarray(m.T)).T
+        return mx.array(m)
+    values = 2.0 * rng.standard_normal(shapes.get(shape_kind, (q_len, kv_len)))
+    values[rng.random(values.shape) < 0.2] = -np.inf
+    if shape_kind == "strided":  # every other column of a wider array
+        wide = np.repeat(values, 2, axis=-1)
+        return mx.array(wide.astype(np.float32))[..., ::2]
+    if shape_kind == "float16":
+        return mx.array(values.astype(np.float16))
+    if shape_kind == "bfloat16":
+        return mx.array(values.astype(np.float32)).astype(mx.bfloat16)
+    return mx.array(values.astype(np.float32))
+
+
+def run_attention(
+    rng,
+    *,
+    batch=2,
+    kv_heads=2,
+    group=1,
+    q_len=1,
+    kv_len=17,
+    capacity=None,
+    head_dim=64,
+    key_bits=4,
+    value_bits=4,
+    causal=True,
+    mask="none",
+    q_dtype=mx.float32,
+    scale=None,
+    q_gain=1.0,
+    zero_tokens=False,
+    impl="kernel",
+):
+    """Runs one attention op and returns (out, lse, ref_out, ref_lse, v_hat) as NumPy.
+
+    With ``zero_tokens`` the cached keys and values have norms spread over a factor
+    e^2 and every third one is the zero vector (code of 0, scale 0).
+    """
+    capacity = capacity or kv_len
+    q_heads = kv_heads * group
+    kv = [None, None]
+    if zero_tokens:
+        for i in range(2):
+            x = rng.standard_normal((batch, kv_heads, kv_len, head_dim)).astype(np.float32)
+            x *= np.exp(rng.uniform(-1, 1, (batch, kv_heads, kv_len, 1))).astype(np.float32)
+            x[:, :, ::3] = 0
+            kv[i] = x
+    k_words, k_scales, k_hat = reference_cache(
+        rng, batch, kv_heads, capacity, kv_len, head_dim, key_bits, x=kv[0]
+    )
+    v_words, v_scales, v_hat = reference_cache(
+        rng, batch, kv_heads, capacity, kv_len, head_dim, value_bits, x=kv[1]
+    )
+    q = mx.array(q_gain * rng.standard_normal((batch, q_heads, q_len, head_dim))).astype(q_dtype)
+    m = make_mask(mask, rng, batch, q_heads, q_len, kv_len)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    args = (
+        q,
+        *mx_cache(k_words, k_scales),
+        *mx_cache(v_words, v_scales),
+        mx.array(centroids_np(head_dim, key_bits)),
+        mx.array(centroids_np(head_dim, value_bits)),
+        kv_len,
+        scale,
+        key_bits,
+        value_bits,
+        causal,
+        m,
+    )
+    out, lse = (ops.compressed_attention if impl == "kernel" else fallback.compressed_attention)(
+        *args
+    )
+    assert out.dtype == mx.float32 and out.shape == (batch, q_heads, q_len, head_dim)
+    assert lse.dtype == mx.float32 and lse.shape == (batch, q_heads, q_len)
+    # The reference sees exactly the values the op sees: queries and masks after
+    # their (exact) conversion to float32, keys and values dequantized from the codes.
+    ref_out, ref_lse = reference.attention(
+        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m)
+    )
+    return np.array(out), np.array(lse), ref_out, ref_lse, v_hat
+
+
+def assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-5):
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    hidden = ref_lse == -np.inf
+    np.testing.assert_array_equal(lse == -np.inf, hidden)
+    assert (out[hidden] == 0).all()
+    # out is a convex combination of value rows: measure its error against their size.
+    v_size = max(float(np.abs(v_hat).max()), 1e-30)
+    err = np.abs(out - ref_out).max() / v_size
+    assert err <= rtol, f"out: max error {err:.3g} of max |v|"
+    lse_err = np.abs(lse[~hidden] - ref_lse[~hidden]) / np.maximum(1.0, np.abs(ref_lse[~hidden]))
+    assert lse_err.size == 0 or lse_err.max() <= rtol, f"lse: error {lse_err.max():.3g}"
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("key_bits,value_bits", BIT_PAIRS)
+def test_attention_every_bit_width_and_head_dim(key_bits, value_bits, head_dim):
+    case = BIT_PAIRS.index((key_bits, value_bits)) * len(HEAD_DIMS) + HEAD_DIMS.index(head_dim)
+    rng = np.random.default_rng(case)
+    result = run_attention(
+        rng,
+        group=(1, 4, 8)[case % 3],
+        q_len=1 + case % 8,
+        kv_len=127,
+        capacity=131,
+        head_dim=head_dim,
+        key_bits=key_bits,
+        value_bits=value_bits,
+        causal=case % 2 == 0,
+        q_gain=2.0,
+    )
+    assert_attention_close(*result)
+
+
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize(
+    "kv_len,q_len", ((1, 1), (17, 1), (17, 8), (127, 3), (127, 8), (4097, 1), (4097, 8))
+)
+def test_attention_lengths_and_gqa(kv_len, q_len, group):
+    rng = np.random.default_rng(kv_len * 31 + group * 7 + q_len)
+    bits = ((4, 4), (3, 3), (2, 4), (4, 2))[(kv_len + group) % 4]
+    result = run_attention(
+        rng,
+        group=group,
+        q_len=q_len,
+        kv_len=kv_len,
+        capacity=kv_len + (0 if group == 4 else 9),  # poisoned slots beyond kv_len
+        head_dim=128 if kv_len > 1000 else (64, 96, 256)[group % 3],
+        key_bits=bits[0],
+        value_bits=bits[1],
+        causal=group != 8,
+        q_gain=3.0,  # peaked softmax
+        zero_tokens=group == 1,
+    )
+    assert_attention_close(*result)
+
+
+MASK_KINDS = (
+    "none",
+    "bool:L,kv",
+    "bool:1,1,L,kv",
+    "bool:B,Hq,L,kv",
+    "bool:kv",
+    "bool:B,1,1,kv",
+    "bool:1,Hq,L,1",
+    "bool:transposed",
+    "add:L,kv",
+    "add:1,1,L,kv",
+    "add:B,Hq,L,kv",
+    "add:B,1,1,kv",
+    "add:float16",
+    "add:bfloat16",
+    "add:strided",
+)
+
+
+@pytest.mark.parametrize("q_len", (1, 3, 8))
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("mask", MASK_KINDS)
+def test_attention_masks(mask, causal, q_len):
+    rng = np.random.default_rng(MASK_KINDS.index(mask) * 100 + q_len * 2 + causal)
+    result = run_attention(
+        rng,
+        group=4,
+        q_len=q_len,
+        kv_len=45,
+        capacity=50,
+        head_dim=64,
+        key_bits=3,
+        value_bits=4,
+        causal=causal,
+        mask=mask,
+    )
+    assert_attention_close(*result)
+
+
+@pytest.mark.parametrize("q_len", range(1, 9))
+@pytest.mark.parametrize("q_dtype", FLOAT_DTYPES)
+def test_attention_query_dtypes(q_dtype, q_len):
+    rng = np.random.default_rng(q_len + 10 * FLOAT_DTYPES.index(q_dtype))
+    result = run_attention(
+        rng,
+        group=2,
+        q_len=q_len,
+        kv_len=33,
+        capacity=40,
+        head_dim=128,
+        key_bits=4,
+        value_bits=3,
+        causal=True,
+        q_dtype=q_dtype,
+        q_gain=2.0,
+    )
+    assert_attention_close(*result)
+
+
+@pytest.mark.parametrize("scale", (1e-3, 0.37, 4.0))
+def test_attention_scale(scale):
+    rng = np.random.default_rng(int(scale * 1000))
+    result = run_attention(
+        rng, group=2, q_len=2, kv_len=70, scale=scale, key_bits=2, value_bits=2, zero_tokens=True
+    )
+    assert_attention_close(*result)
+
+
+def test_attention_causal_with_kv_len_equal_to_q_len():
+    # Query i sees exactly keys 0..i; query 0 sees one key, so its output is that value.
+    rng = np.random.default_rng(8)
+    out, lse, ref_out, ref_lse, v_hat = run_attention(rng, group=4, q_len=8, kv_len=8)
+    assert_attention_close(out, lse, ref_out, ref_lse, v_hat)
+    np.testing.assert_allclose(out[:, :4, 0], np.repeat(v_hat[:, :1, 0], 4, axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ("bool_rows", "additive_rows", "chunk_edges"))
+def test_attention_fully_masked_rows(variant):
+    rng = np.random.default_rng(len(variant))
+    batch, kv_heads, group, q_len, head_dim = 2, 2, 4, 3, 64
+    q_heads = kv_heads * group
+    kv_len = 2500 if variant == "chunk_edges" else 40
+    if variant == "bool_rows":
+        keep = rng.random((batch, q_heads, q_len, kv_len)) < 0.5
+        keep[0, 1, :] = False  # all rows of one head
+        keep[1, 5, 2] = False  # one row
+        mask = mx.array(keep)
+    elif variant == "additive_rows":
+        add = rng.standard_normal((batch, q_heads, q_len, kv_len)).astype(np.float32)
+        add[1, :, 0] = -np.inf
+        mask = mx.array(add)
+    else:
+        # Keys only in the last, partial chunk for some rows and only key 0 for
+        # others, so that most key chunks see nothing for a row.
+        keep = np.zeros((batch, q_heads, q_len, kv_len), bool)
+        keep[:, :, 0, 0] = True
+        keep[:, :, 1, -3:] = True
+        mask = mx.array(keep)
+    cache_shape = (batch, kv_heads, kv_len + 5, kv_len, head_dim)
+    k_words, k_scales, k_hat = reference_cache(rng, *cache_shape, 4)
+    v_words, v_scales, v_hat = reference_cache(rng, *cache_shape, 2)
+    q = mx.array(rng.standard_normal((batch, q_heads, q_len, head_dim)).astype(np.float32))
+    args = (
+        q,
+        *mx_cache(k_words, k_scales),
+        *mx_cache(v_words, v_scales),
+        mx.array(centroids_np(head_dim, 4)),
+        mx.array(centroids_np(head_dim, 2)),
+        kv_len,
+        0.125,
+        4,
+        2,
+        False,
+        mask,
+    )
+    ref_out, ref_lse = reference.attention(
+        np.array(q), k_hat, v_hat, 0.125, kv_len, False, to_np(mask)
+    )
+    assert (ref_lse == -np.inf).any(), "the test must produce fully masked rows"
+    out, lse = ops.compressed_attention(*args)
+    assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
+    f_out, f_lse = fallback.compressed_attention(*args)
+    assert_attention_close(np.array(f_out), np.array(f_lse), ref_out, ref_lse, v_hat)
+
+
+def test_attention_reads_strided_inputs():
+    # Queries transposed from (B, L, H, D) and caches that are views into larger buffers.
+    rng = np.random.default_rng(21)
+    batch, kv_heads, group, q_len, kv_len, head_dim = 2, 2, 2, 4, 30, 96
+    q_heads = kv_heads * group
+    cache_shape = (batch, 2 * kv_heads, kv_len, kv_len, head_dim)
+    k_words, k_scales, k_hat = reference_cache(rng, *cache_shape, 3)
+    v_words, v_scales, v_hat = reference_cache(rng, *cache_shape, 4)
+    q_blhd = rng.standard_normal((batch, q_len, q_heads, head_dim)).astype(np.float32)
+    q = mx.array(q_blhd).transpose(0, 2, 1, 3)
+    out, lse = ops.compressed_attention(
+        q,
+        mx.array(k_words)[:, 1::2],
+        mx.array(k_scales)[:, 1::2],
+        mx.array(v_words)[:, ::2],
+        mx.array(v_scales)[:, ::2],
+        mx.array(centroids_np(head_dim, 3)),
+        mx.array(centroids_np(head_dim, 4)),
+        kv_len,
+        0.1,
+        3,
+        4,
+        True,
+    )
+    ref_out, ref_lse = reference.attention(
+        q_blhd.transpose(0, 2, 1, 3), k_hat[:, 1::2], v_hat[:, ::2], 0.1, kv_len, True
+    )
+    assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    (
+        dict(group=1, q_len=1, kv_len=1, head_dim=64, key_bits=2, value_bits=2),
+        dict(group=4, q_len=5, kv_len=127, capacity=140, head_dim=96, key_bits=3, value_bits=4),
+        dict(group=8, q_len=8, kv_len=300, head_dim=256, key_bits=4, value_bits=2,
+             causal=False, mask="bool:B,Hq,L,kv"),
+        dict(group=2, q_len=3, kv_len=2049, head_dim=128, mask="add:L,kv", q_dtype=mx.bfloat16),
+        dict(group=4, q_len=2, kv_len=50, head_dim=128, key_bits=4, value_bits=3,
+             mask="bool:1,Hq,L,1", q_dtype=mx.float16),
+    ),
+)
+def test_fallback_attention_matches_kernel(kwargs):
+    # The same cache and queries (same seed) through the kernel and the fallback; both
+    # must match the reference, and each other.
+    kernel = run_attention(np.random.default_rng(99), **kwargs)
+    fb = run_attention(np.random.default_rng(99), impl="fallback", **kwargs)
+    np.testing.assert_array_equal(kernel[2], fb[2])  # same inputs indeed
+    assert_attention_close(*kernel)
+    assert_attention_close(*fb)
+    np.testing.assert_allclose(fb[0], kernel[0], rtol=0, atol=2e-5 * np.abs(kernel[4]).max())
+    np.testing.assert_allclose(fb[1], kernel[1], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The codec end to end: Rotation -> quantize_append -> dequantize -> Rotation.inverse
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + (160,))  # 160: dense rotation
+def test_codec_round_trip_mse_matches_lloyd_max(head_dim, bits):
+    rng = np.random.default_rng(head_dim + bits)
+    batch, heads, length = 2, 4, 96
+    # Anisotropic keys with a mean: the rotation must make any input look like a
+    # random direction for the codebook to reach its design distortion.
+    channel_scale = np.exp(rng.uniform(-0.7, 0.7, head_dim))
+    x = rng.standard_normal((batch, heads, length, head_dim)) * channel_scale + 0.3
+    x *= np.exp(rng.uniform(-2, 2, (batch, heads, length, 1)))
+    x = mx.array(x.astype(np.float32))
+    rotation = Rotation(head_dim, seed=head_dim * 10 + bits)
+    assert rotation.uses_hadamard == (head_dim != 160)
+    c = codebook.centroids(head_dim, bits)
+    words, scales = poisoned_cache(rng, batch, heads, length, head_dim, bits)
+    codes_mx, scales_mx = ops.quantize_append(
+        *mx_cache(words, scales), rotation.forward(x), c, 0, bits
+    )
+    x_hat = rotation.inverse(ops.dequantize(codes_mx, scales_mx, c, bits, 0, length))
+    x_np, x_hat_np = np.array(x, np.float64), np.array(x_hat, np.float64)
+    # Squared error of each vector relative to its squared norm, i.e. per unit vector.
+    err = np.sum((x_np - x_hat_np) ** 2, -1) / np.sum(x_np**2, -1)
+    expected = head_dim * codebook.lloyd_max_distortion(head_dim, bits)
+    assert abs(err.mean() / expected - 1) <= 0.10, (err.mean(), expected)
+
+
+# ---------------------------------------------------------------------------
+# Invalid input: every op refuses it with "[turboquant_mlx.<op>] ... <bad value>"
+
+
+def qa_args(**override):
+    """Valid quantize_append arguments (B=2, H=2, capacity 8, D=64, 4 bits), overridden."""
+    head_dim, bits = override.pop("head_dim", 64), override.get("bits", 4)
+    args = dict(
+        codes=mx.zeros((2, 2, 8, head_dim * bits // 32), mx.uint32),
+        scales=mx.zeros((2, 2, 8), mx.float16),
+        x_rot=mx.ones((2, 2, 3, head_dim)),
+        centroids=mx.array(centroids_np(64, 4)),
+        offset=0,
+        bits=bits,
+    )
+    args.update(override)
+    return args
+
+
+def attn_args(**override):
+    """Valid compressed_attention arguments (B=2, Hq=4, Hkv=2, L=2, cap 16, D=64)."""
+    args = dict(
+        q_rot=mx.ones((2, 4, 2, 64)),
+        k_codes=mx.zeros((2, 2, 16, 8), mx.uint32),
+        k_scales=mx.zeros((2, 2, 16), mx.float16),
+        v_codes=mx.zeros((2, 2, 16, 6), mx.uint32),
+        v_scales=mx.zeros((2, 2, 16), mx.float16),
+        k_centroids=mx.array(centroids_np(64, 4)),
+        v_centroids=mx.array(centroids_np(64, 3)),
+        kv_len=10,
+        scale=0.125,
+        key_bits=4,
+        value_bits=3,
+        causal=True,
+        mask=None,
+    )
+    args.update(override)
+    return args
+
+
+def dq_args(**override):
+    """Valid dequantize arguments (B=2, H=2, capacity 8, D=64, 2 bits)."""
+    args = dict(
+        codes=mx.zeros((2, 2, 8, 4), mx.uint32),
+        scales=mx.zeros((2, 2, 8), mx.float16),
+        centroids=mx.array(centroids_np(64, 2)),
+        bits=2,
+        start=0,
+        length=8,
+    )
+    args.update(override)
+    return args
+
+
+def case(op, kwargs, needles, id, marks=()):
+    return pytest.param(op, kwargs, needles, id=id, marks=marks)
+
+
+QA, ATTN, DQ = "quantize_append", "compressed_attention", "dequantize"
+
+BAD_INPUT = [
+    # quantize_append
+    *(case(QA, qa_args(bits=b), ("bits", f"got {b}"), f"qa-bits{b}")
+      for b in (1, 5, 8)),
+    *(case(QA, qa_args(head_dim=d), (f"got {d}",), f"qa-head_dim{d}") for d in (48, 80, 512)),
+    case(QA, qa_args(x_rot=mx.ones((2, 2, 3, 64), mx.int32)), ("x", "int32"), "qa-x-int32"),
+    case(QA, qa_args(codes=mx.zeros((2, 2, 8, 8), mx.uint8)), ("codes", "uint8"),
+         "qa-codes-uint8"),
+    case(QA, qa_args(scales=mx.zeros((2, 2, 8), mx.float32)), ("scales", "float32"),
+         "qa-scales-float32"),
+    case(QA, qa_args(centroids=mx.arange(16, dtype=mx.int32)), ("centroids", "int32"),
+         "qa-centroids-int32"),
+    case(QA, qa_args(x_rot=mx.ones((3, 2, 3, 64))), ("(3, 2, 3, 64)", "(2, 2, 8, 8)"),
+         "qa-batch"),
+    case(QA, qa_args(x_rot=mx.ones((2, 5, 3, 64))), ("(2, 5, 3, 64)",), "qa-heads"),
+    case(QA, qa_args(x_rot=mx.ones((2, 2, 3, 128))), ("head dim 128", "64"),
+         "qa-words-vs-head_dim"),
+    case(QA, qa_args(x_rot=mx.ones((2, 3, 64))), ("(2, 3, 64)",), "qa-x-3d"),
+    case(QA, qa_args(scales=mx.zeros((2, 2, 9), mx.float16)), ("(2, 2, 9)",), "qa-scales-shape"),
+    case(QA, qa_args(centroids=mx.zeros((8,))), ("(8,)", "16"), "qa-centroid-count"),
+    case(QA, qa_args(offset=-1), ("got -1",), "qa-offset-negative"),
+    case(QA, qa_args(offset=6), ("3 tokens at offset 6", "capacity 8"), "qa-capacity-overflow"),
+    # compressed_attention
+    *(case(ATTN, attn_args(key_bits=b), ("bits", f"got {b}"), f"attn-key_bits{b}") for b in (1, 5, 8)),
+    case(ATTN, attn_args(value_bits=5), ("bits", "got 5"), "attn-value_bits5"),
+    *(
+        case(
+            ATTN,
+            attn_args(
+                q_rot=mx.ones((2, 4, 2, d)),
+                k_codes=mx.zeros((2, 2, 16, d // 8), mx.uint32),
+                v_codes=mx.zeros((2, 2, 16, d // 8), mx.uint32),
+                v_centroids=mx.array(centroids_np(64, 4)),
+                value_bits=4,
+            ),
+            (f"got {d}",),
+            f"attn-head_dim{d}",
+        )
+        for d in (48, 80, 512)
+    ),
+    case(ATTN, attn_args(q_rot=mx.ones((2, 4, 2, 64), mx.int32)), ("queries", "int32"),
+         "attn-q-int32"),
+    case(ATTN, attn_args(k_codes=mx.zeros((2, 2, 16, 8), mx.uint8)), ("key codes", "uint8"),
+         "attn-codes-uint8"),
+    case(ATTN, attn_args(v_scales=mx.zeros((2, 2, 16), mx.float32)),
+         ("value scales", "float32"), "attn-scales-float32"),
+    case(ATTN, attn_args(mask=mx.ones((2, 10), mx.int32)), ("mask", "int32"), "attn-mask-int32"),
+    case(ATTN, attn_args(q_rot=mx.ones((3, 4, 2, 64))), ("batch 3", "2"), "attn-batch"),
+    case(ATTN, attn_args(v_codes=mx.zeros((2, 4, 16, 6), mx.uint32),
+                         v_scales=mx.zeros((2, 4, 16), mx.float16)),
+         ("2 vs 4",), "attn-kv-heads"),
+    case(ATTN, attn_args(q_rot=mx.ones((2, 6, 2, 64)),
+                         k_codes=mx.zeros((2, 4, 16, 8), mx.uint32),
+                         k_scales=mx.zeros((2, 4, 16), mx.float16),
+                         v_codes=mx.zeros((2, 4, 16, 6), mx.uint32),
+                         v_scales=mx.zeros((2, 4, 16), mx.float16)),
+         ("(6)", "(4)"), "attn-gqa-ratio"),
+    case(ATTN, attn_args(q_rot=mx.ones((2, 4, 2, 128))), ("head dim 128", "64/64"),
+         "attn-words-vs-head_dim"),
+    case(ATTN, attn_args(k_scales=mx.zeros((2, 2, 15), mx.float16)), ("(2, 2, 15)",),
+         "attn-scales-shape"),
+    case(ATTN, attn_args(v_centroids=mx.zeros((16,))), ("(16,)", "(8,)"), "attn-centroid-count"),
+    case(ATTN, attn_args(kv_len=17), ("got 17", "capacity 16"), "attn-kv_len-over-capacity"),
+    case(ATTN, attn_args(kv_len=1), ("got 1", "query length 2"), "attn-kv_len-below-q_len"),
+    case(ATTN, attn_args(q_rot=mx.ones((2, 4, 0, 64))), ("got 0",), "attn-q_len0"),
+    case(ATTN, attn_args(q_rot=mx.ones((2, 4, 9, 64))), ("got 9",), "attn-q_len9"),
+    case(ATTN, attn_args(mask=mx.ones((2, 11), mx.bool_)), ("(2, 11)", "(2, 4, 2, 10)"),
+         "attn-mask-kv"),
+    case(ATTN, attn_args(mask=mx.ones((3, 4, 2, 10), mx.bool_)), ("(3, 4, 2, 10)",),
+         "attn-mask-batch"),
+    case(ATTN, attn_args(mask=mx.ones((1, 2, 4, 2, 10), mx.bool_)), ("(1, 2, 4, 2, 10)",),
+         "attn-mask-5d"),
+    *(case(ATTN, attn_args(scale=s), (f"got {text}",), f"attn-scale{text}")
+      for s, text in ((0.0, "0"), (-0.5, "-0.5"), (float("nan"), "nan"), (float("inf"), "inf"))),
+    # dequantize
+    *(case(DQ, dq_args(bits=b, codes=mx.zeros((2, 2, 8, 2 * b), mx.uint32)),
+           ("bits", f"got {b}"), f"dq-bits{b}") for b in (1, 5, 8)),
+    *(case(DQ, dq_args(codes=mx.zeros((2, 2, 8, d // 16), mx.uint32)), (f"got {d}",),
+           f"dq-head_dim{d}") for d in (48, 80, 512)),
+    case(DQ, dq_args(codes=mx.zeros((2, 2, 8, 4), mx.uint8)), ("codes", "uint8"),
+         "dq-codes-uint8"),
+    case(DQ, dq_args(scales=mx.zeros((2, 2, 8), mx.float32)), ("scales", "float32"),
+         "dq-scales-float32"),
+    case(DQ, dq_args(scales=mx.zeros((1, 2, 8), mx.float16)), ("(1, 2, 8)",), "dq-scales-batch"),
+    case(DQ, dq_args(bits=3, codes=mx.zeros((2, 2, 8, 4), mx.uint32),
+                     centroids=mx.array(centroids_np(64, 3))),
+         ("4 words",), "dq-words-vs-bits"),
+    case(DQ, dq_args(centroids=mx.zeros((8,))), ("(8,)", "(4,)"), "dq-centroid-count"),
+    case(DQ, dq_args(start=-1, length=2), ("[-1, 1)",), "dq-start-negative"),
+    case(DQ, dq_args(start=5, length=4), ("[5, 9)", "capacity 8"), "dq-past-capacity"),
+    case(DQ, dq_args(start=2, length=-1), ("[2, 1)",), "dq-length-negative"),
+]
+
+
+@pytest.mark.parametrize("op,kwargs,needles", BAD_INPUT)
+def test_invalid_input_is_refused(op, kwargs, needles):
+    with pytest.raises(ValueError) as excinfo:
+        getattr(ops, op)(**kwargs)
+    assert_op_error(excinfo, op, *needles)
+
+
+@pytest.mark.parametrize("bad", ("nan", "inf", "-inf", "huge"))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_append_refuses_bad_tokens_without_writing(dtype, bad):
+    # NaN/Inf anywhere, or a token whose norm (hence its scale) would not fit float16.
+    rng = np.random.default_rng(4)
+    batch, heads, length, head_dim, bits = 2, 3, 5, 128, 4
+    words, scales = poisoned_cache(rng, batch, heads, 12, head_dim, bits)
+    old_codes, old_scales = mx_cache(words, scales)
+    mx.eval(old_codes, old_scales)
+    c = mx.array(centroids_np(head_dim, bits))
+    x = random_tokens(rng, (batch, heads, length, head_dim), spread=False)
+    token = (1, 2, length - 1) if dtype == mx.float32 else (0, 0, 0)
+    if bad == "huge":
+        x[token] = 8000.0  # finite in every dtype; the scale is not
+        needles = ("norm", "90509.7")
+    else:
+        x[token + (head_dim - 1,)] = float(bad)
+        needles = ("non-finite", bad)
+    new_codes, new_scales = ops.quantize_append(
+        old_codes, old_scales, mx.array(x).astype(dtype), c, 4, bits
+    )  # lazy: the check runs with the kernel
+    for result in (new_codes, new_scales):
+        with pytest.raises(RuntimeError) as excinfo:
+            mx.eval(result)
+        assert_op_error(excinfo, "quantize_append", *needles)
+    # The cache still referenced keeps its content.
+    np.testing.assert_array_equal(np.array(old_codes), words)
+    np.testing.assert_array_equal(np.array(old_scales).view(np.uint16), scales.view(np.uint16))
+    # And it still works: a clean append on it succeeds.
+    x[token] = 0.5
+    codes2, scales2 = ops.quantize_append(old_codes, old_scales, mx.array(x), c, 4, bits)
+    got_codes, got_scales = np.array(codes2), np.array(scales2)
+    assert_codes_and_scales(got_codes[:, :, 4:9], got_scales[:, :, 4:9], x, bits)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_append_accepts_large_norms(bits):
+    # Scales up to norm / min ||c|| ~ 40000 / 0.75 still fit float16.
+    rng = np.random.default_rng(bits)
+    head_dim = 64
+    x = rng.standard_normal((1, 2, 3, head_dim)).astype(np.float32)
+    x *= 40000.0 / np.linalg.norm(x, axis=-1, keepdims=True)
+    words, scales = poisoned_cache(rng, 1, 2, 3, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    got_codes, got_scales = ops.quantize_append(*mx_cache(words, scales), mx.array(x), c, 0, bits)
+    assert np.isfinite(np.array(got_scales)).all()
+    assert_codes_and_scales(np.array(got_codes), np.array(got_scales), x, bits)
+
+
+def tokens_with_overflowing_scales(kind):
+    """2-bit, D = 64 tokens of norm < 60000 whose scale norm / ||c|| exceeds 65504."""
+    head_dim, bits = 64, 2
+    c = centroids_np(head_dim, bits)
+    if kind == "crafted":
+        # 63 coordinates just inside the inner cells, one carrying the remaining
+        # mass: ||c|| ~ 0.46, so a norm of 50000 gives a scale of ~110000.
+        u = np.full(head_dim, 0.999 * (c[2] + c[3]) / 2)
+        u[0] = np.sqrt(1 - (head_dim - 1) * u[1] ** 2)
+        x = (50000.0 * u).reshape(1, 1, 1, head_dim)
+    else:
+        # Random directions: ||c|| is below 0.90 for about a quarter of them.
+        x = np.random.default_rng(0).standard_normal((1, 2, 32, head_dim))
+        x *= 59500.0 / np.linalg.norm(x, axis=-1, keepdims=True)
+    return x.astype(np.float32), c, bits
+
+
+@pytest.mark.parametrize("kind", ("crafted", "random"))
+def test_quantize_append_never_stores_an_infinite_scale(kind):
+    x, c, bits = tokens_with_overflowing_scales(kind)
+    words, scales = poisoned_cache(np.random.default_rng(0), *x.shape[:3], x.shape[3], bits)
+    try:
+        _, got_scales = ops.quantize_append(
+            *mx_cache(words, scales), mx.array(x), mx.array(c), 0, bits
+        )
+        mx.eval(got_scales)
+    except RuntimeError as e:  # refusing them is right too
+        assert_op_error(pytest.ExceptionInfo.from_exception(e), "quantize_append", "norm")
+        return
+    assert np.isfinite(np.array(got_scales)).all()
+
+
+@pytest.mark.parametrize("kind", ("crafted", "random"))
+def test_fallback_quantize_append_never_stores_an_infinite_scale(kind):
+    x, c, bits = tokens_with_overflowing_scales(kind)
+    words, scales = poisoned_cache(np.random.default_rng(0), *x.shape[:3], x.shape[3], bits)
+    with pytest.raises(ValueError) as excinfo:
+        fallback.quantize_append(*mx_cache(words, scales), mx.array(x), mx.array(c), 0, bits)
+    assert_op_error(excinfo, "quantize_append", "norm")
+
+
+@pytest.mark.parametrize("bad", ("nan", "huge"))
+def test_fallback_quantize_append_refuses_bad_tokens(bad):
+    words, scales = poisoned_cache(np.random.default_rng(0), 1, 1, 4, 64, 2)
+    old_codes, old_scales = mx_cache(words, scales)
+    x = np.ones((1, 1, 2, 64), np.float32)
+    if bad == "nan":
+        x[0, 0, 1, 3] = np.nan
+    else:
+        x[0, 0, 1] = 30000.0  # norm 240000, scale 160000
+    with pytest.raises(ValueError) as excinfo:
+        fallback.quantize_append(
+            old_codes, old_scales, mx.array(x), mx.array(centroids_np(64, 2)), 0, 2
+        )
+    needles = ("non-finite",) if bad == "nan" else ("norm", "240000")
+    assert_op_error(excinfo, "quantize_append", *needles)
+    np.testing.assert_array_equal(np.array(old_codes), words)
