@@ -1,0 +1,1190 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""mlx-lm KV cache on TurboQuant-compressed storage, presets and the cache factory.
+
+:class:`TurboQuantKVCache` follows mlx-lm's cache protocol (``update_and_fetch``,
+``offset``, ``state``/``meta_state``/``from_state``, ``trim``, ``make_mask``,
+``nbytes``, ``empty``, ``size``). It stores one layer's keys and values as packed
+2/3/4-bit Lloyd–Max codes plus one float16 scale per token vector, after the
+layer's rotation (docs/ARCHITECTURE.md), and computes attention directly on that
+storage through :func:`~turboquant_mlx.attention.install_hook`.
+
+Token layout of one layer, in position order::
+
+    [0, S)            fp16 sink tokens          (``fp16_sink_tokens`` = S)
+    [S, S + c)        compressed tokens         (codes + scales)
+    [S + c, offset)   fp16 window of recent tokens (``fp16_recent_tokens`` = R)
+
+"fp16" means the keys' own dtype (what mlx-lm's ``KVCache`` would store). The
+window holds the last ``min(R, offset - S)`` tokens; older tokens are quantized
+when they leave it. The window buffer keeps ``rollback_tokens`` more fp16 tokens
+(already quantized too) so that trimming up to that many tokens -- speculative
+decoding -- leaves exactly the cache that never saw the trimmed tokens.
+
+Attention combines the three segments with their log-sum-exp
+(:func:`~turboquant_mlx.attention.merge_attention`). Decode and verification
+(``L <= 8`` queries) run :func:`~turboquant_mlx.ops.compressed_attention` on the
+compressed segment. Prefill (``L > 8``) dequantizes the compressed segment one
+key block at a time, sized by ``prefill_budget_bytes``, and merges the blocks
+online, so the temporary never holds more than a block of dequantized keys and
+values (no full-precision copy of the cache). The new tokens of every call attend
+to themselves through the stored (quantized or fp16) representation: the model
+only ever sees what the cache keeps.
+
+:func:`make_prompt_cache` builds a model's caches with mlx-lm's own factory and
+replaces only plain full-attention ``KVCache`` entries: linear-attention state
+(``ArraysCache``, Qwen3.5/Qwen3-Next) and sliding-window ``RotatingKVCache``
+layers are kept as they are.
+"""
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as _mlx_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from . import codebook, ops
+from .attention import dense_attention, install_hook, merge_attention, merge_two, module_uses_hook
+from .rotation import Rotation
+
+__all__ = [
+    "TurboQuantKVCache",
+    "KVPreset",
+    "PRESETS",
+    "DEFAULT_PRESET",
+    "get_preset",
+    "layer_seed",
+    "make_prompt_cache",
+    "cache_nbytes",
+]
+
+_PREFIX = "[turboquant_mlx.cache]"
+_SUPPORTED_BITS = (2, 3, 4)
+_FORMAT_VERSION = 1
+
+# Older mlx-lm kept the non-array part of a cache's state in ``meta_state``
+# (a tuple of strings) and could only save arrays in ``state``.
+_LEGACY_META_STATE = hasattr(_BaseCache, "meta_state")
+
+# Names of the integers that describe a cache besides its arrays, in state order.
+_CONFIG_FIELDS = (
+    "format_version",
+    "key_bits",
+    "value_bits",
+    "seed",
+    "fp16_sink_tokens",
+    "fp16_recent_tokens",
+    "rollback_tokens",
+    "offset",
+    "n_compressed",
+    "window_start",
+)
+_N_ARRAYS = 8  # k_codes, k_scales, v_codes, v_scales, sink_k, sink_v, win_k, win_v
+
+
+def _check_int(name, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{_PREFIX} {name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _check_bits(name, value):
+    if isinstance(value, bool) or value not in _SUPPORTED_BITS:
+        raise ValueError(f"{_PREFIX} {name} must be one of 2, 3, 4, got {value!r}.")
+    return int(value)
+
+
+def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
+    """Concatenates along the token axis; the result never views a larger buffer."""
+    if a is None or a.shape[2] == 0:
+        return mx.contiguous(b)
+    return mx.concatenate([a, b], axis=2)
+
+
+def _empty(dtype) -> mx.array:
+    return mx.zeros((0,), dtype=dtype)
+
+
+def _is_empty(a) -> bool:
+    return a is None or a.size == 0
+
+
+class TurboQuantKVCache(_BaseCache):
+    """One layer's KV cache stored as TurboQuant codes (see the module docstring).
+
+    Args:
+        key_bits: Bits per key coordinate (2, 3 or 4).
+        value_bits: Bits per value coordinate (2, 3 or 4).
+        seed: Seed of this layer's rotation (shared by keys and values). The
+            factory derives it from a base seed and the layer index
+            (:func:`layer_seed`).
+        fp16_sink_tokens: Number of first positions kept unquantized.
+        fp16_recent_tokens: Size of the window of most recent tokens kept
+            unquantized (0: quantize every token on arrival).
+        rollback_tokens: Extra unquantized tokens kept behind the window so that a
+            ``trim`` of up to this many tokens is exact (only used with a window).
+        prefill_budget_bytes: Target size of the temporaries of one prefill
+            attention call (scores of one key block); default 256 MiB.
+        window_dtype: Storage dtype of the unquantized tokens (sinks, window).
+            Default: the keys' dtype if it is float16 or bfloat16, else float16.
+            Incoming keys and values are rounded to it on arrival, so the cache
+            behaves the same whichever segment a token is in when it is quantized.
+
+    Note:
+        The class has no attribute ``bits``: mlx-lm sends any cache that has one to
+        its affine-quantized attention path.
+    """
+
+    step = 256  # capacity granularity (tokens)
+    growth = 1.25  # capacity grows at least by this factor when full
+    decode_max_queries = 8  # larger query blocks take the prefill path
+    default_prefill_budget_bytes = 256 << 20
+    prefill_min_block = 256  # smallest key block (tokens) of the prefill path
+
+    def __init__(
+        self,
+        key_bits: int = 4,
+        value_bits: int = 4,
+        seed: int = 0,
+        *,
+        fp16_sink_tokens: int = 0,
+        fp16_recent_tokens: int = 0,
+        rollback_tokens: int = 16,
+        prefill_budget_bytes: Optional[int] = None,
+        window_dtype: Optional[mx.Dtype] = None,
+    ):
+        self._init_runtime(prefill_budget_bytes)
+        self.window_dtype = window_dtype
+        self._configure(
+            key_bits, value_bits, seed, fp16_sink_tokens, fp16_recent_tokens, rollback_tokens
+        )
+        self._config_set = True
+        self._reset_storage()
+
+    # -- configuration ----------------------------------------------------------------
+
+    def _init_runtime(self, prefill_budget_bytes=None):
+        if prefill_budget_bytes is None:
+            prefill_budget_bytes = self.default_prefill_budget_bytes
+        self.prefill_budget_bytes = _check_int("prefill_budget_bytes", prefill_budget_bytes, 1)
+        self._reserve_tokens = 0
+        self.window_dtype = None
+        self._pending_arrays = None
+
+    def _configure(self, key_bits, value_bits, seed, sinks, recent, rollback):
+        self.key_bits = _check_bits("key_bits", key_bits)
+        self.value_bits = _check_bits("value_bits", value_bits)
+        self.seed = _check_int("seed", seed)
+        self.fp16_sink_tokens = _check_int("fp16_sink_tokens", sinks)
+        self.fp16_recent_tokens = _check_int("fp16_recent_tokens", recent)
+        self.rollback_tokens = _check_int("rollback_tokens", rollback)
+        self._head_dim = None
+        self._rotation = None
+
+    def _reset_storage(self):
+        self.offset = 0
+        self._k_codes = self._k_scales = self._v_codes = self._v_scales = None
+        self._n_comp = 0
+        self._sink_k = self._sink_v = None
+        self._win_k = self._win_v = None
+        self._win_start = self.fp16_sink_tokens
+
+    @property
+    def _window_capacity(self) -> int:
+        if self.fp16_recent_tokens == 0:
+            return 0
+        return self.fp16_recent_tokens + self.rollback_tokens
+
+    def _init_codec(self, head_dim: int):
+        for bits in (self.key_bits, self.value_bits):
+            try:
+                ops.words_per_token(head_dim, bits)
+            except Exception as e:
+                raise ValueError(
+                    f"{_PREFIX} head_dim {head_dim} is not supported at {bits} bits: {e}"
+                ) from e
+        self._head_dim = int(head_dim)
+        self._rotation = Rotation(self._head_dim, self.seed)
+        self._k_centroids = codebook.centroids(self._head_dim, self.key_bits)
+        self._v_centroids = codebook.centroids(self._head_dim, self.value_bits)
+
+    @property
+    def head_dim(self) -> Optional[int]:
+        """Head dim of the stored vectors (``None`` before the first update)."""
+        return self._head_dim
+
+    @property
+    def rotation(self) -> Optional[Rotation]:
+        """The layer's rotation (``None`` before the first update)."""
+        return self._rotation
+
+    # -- storage ----------------------------------------------------------------------
+
+    def reserve(self, tokens: int):
+        """Hints the total number of tokens this cache will hold.
+
+        The compressed buffers are then allocated once at that size instead of
+        growing (each growth copies the buffers).
+        """
+        self._reserve_tokens = _check_int("tokens", tokens)
+        if self._k_codes is not None:
+            self._ensure_capacity(self._reserve_tokens - self.fp16_sink_tokens)
+
+    def _ensure_capacity(self, needed: int):
+        cap = 0 if self._k_codes is None else self._k_codes.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(
+            needed, int(math.ceil(cap * self.growth)), self._reserve_tokens - self.fp16_sink_tokens
+        )
+        new_cap = -(-new_cap // self.step) * self.step
+        B, H = self._batch_heads
+        wk = ops.words_per_token(self._head_dim, self.key_bits)
+        wv = ops.words_per_token(self._head_dim, self.value_bits)
+        n = self._n_comp
+
+        def grow(buf, tail, dtype):
+            fresh = mx.zeros((B, H, new_cap - n) + tail, dtype=dtype)
+            if buf is None or n == 0:
+                return fresh
+            return mx.concatenate([buf[:, :, :n], fresh], axis=2)
+
+        self._k_codes = grow(self._k_codes, (wk,), mx.uint32)
+        self._k_scales = grow(self._k_scales, (), mx.float16)
+        self._v_codes = grow(self._v_codes, (wv,), mx.uint32)
+        self._v_scales = grow(self._v_scales, (), mx.float16)
+
+    def _quantize(self, keys: mx.array, values: mx.array):
+        """Appends tokens to the compressed segment."""
+        n = keys.shape[2]
+        if n == 0:
+            return
+        self._ensure_capacity(self._n_comp + n)
+        rot = self._rotation
+        self._k_codes, self._k_scales = ops.quantize_append(
+            self._k_codes, self._k_scales, rot.forward(keys), self._k_centroids,
+            self._n_comp, self.key_bits,
+        )
+        self._v_codes, self._v_scales = ops.quantize_append(
+            self._v_codes, self._v_scales, rot.forward(values), self._v_centroids,
+            self._n_comp, self.value_bits,
+        )
+        self._n_comp += n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Stores new tokens ``(B, H_kv, L, D)`` and returns them unchanged.
+
+        The returned arrays are *not* the cache contents: attention on this cache
+        goes through :meth:`attention` (the hook calls it), which reads the
+        compressed storage.
+        """
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"{_PREFIX} update_and_fetch expects keys and values (B, H, L, D) with equal "
+                f"B, H, L; got {tuple(keys.shape)} and {tuple(values.shape)}."
+            )
+        if keys.shape[-1] != values.shape[-1]:
+            raise ValueError(
+                f"{_PREFIX} keys and values must have the same head dim (one rotation per "
+                f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
+            )
+        if self._head_dim is None:
+            self._init_codec(keys.shape[-1])
+            self._batch_heads = (keys.shape[0], keys.shape[1])
+        elif keys.shape[-1] != self._head_dim or (keys.shape[0], keys.shape[1]) != self._batch_heads:
+            raise ValueError(
+                f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
+                f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
+            )
+        given = keys, values
+        if self.window_dtype is None:
+            half = (mx.float16, mx.bfloat16)
+            self.window_dtype = keys.dtype if keys.dtype in half else mx.float16
+        keys = keys.astype(self.window_dtype)
+        values = values.astype(self.window_dtype)
+        L = keys.shape[2]
+        P = self.offset
+        S = self.fp16_sink_tokens
+        t = 0
+        if P < S:
+            t = min(S - P, L)
+            self._sink_k = _cat(self._sink_k, keys[:, :, :t])
+            self._sink_v = _cat(self._sink_v, values[:, :, :t])
+        if t < L:
+            rk = keys[:, :, t:] if t else keys
+            rv = values[:, :, t:] if t else values
+            R = self.fp16_recent_tokens
+            if R == 0:
+                self._quantize(rk, rv)
+                self._win_start = P + L
+            else:
+                # The window buffer covers positions [win_start, P + t); with the new
+                # tokens, [win_start, P + L).
+                ck = rk if _is_empty(self._win_k) else mx.concatenate([self._win_k, rk], axis=2)
+                cv = rv if _is_empty(self._win_v) else mx.concatenate([self._win_v, rv], axis=2)
+                first = S + self._n_comp  # first position not yet quantized
+                end = P + L - R  # positions before this leave the window
+                if end > first:
+                    i0 = first - self._win_start
+                    self._quantize(ck[:, :, i0 : i0 + end - first], cv[:, :, i0 : i0 + end - first])
+                keep_from = max(self._win_start, P + L - self._window_capacity)
+                drop = keep_from - self._win_start
+                self._win_k = mx.contiguous(ck[:, :, drop:] if drop else ck)
+                self._win_v = mx.contiguous(cv[:, :, drop:] if drop else cv)
+                self._win_start = keep_from
+        self.offset = P + L
+        return given
+
+    def _layout(self):
+        """``(ns, c, wpos)``: sink count, compressed tokens in use, window start."""
+        S = self.fp16_sink_tokens
+        ns = 0 if self._sink_k is None else self._sink_k.shape[2]
+        if self.fp16_recent_tokens == 0:
+            c = max(0, self.offset - S)
+        else:
+            c = max(0, max(self.offset - self.fp16_recent_tokens, self._win_start) - S)
+        return ns, c, S + c
+
+    # -- attention --------------------------------------------------------------------
+
+    def attention(
+        self,
+        queries: mx.array,
+        scale: float,
+        mask: Union[None, str, mx.array] = None,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """Attention of ``queries`` ``(B, H_q, L, D)`` over everything the cache holds.
+
+        The queries are the last ``L`` positions (mlx-lm calls this right after
+        ``update_and_fetch``). ``mask`` follows mlx-lm: ``None`` (no mask),
+        ``"causal"``, or a bool/additive array whose last axis spans all
+        ``offset`` positions. ``sinks`` are optional per-head attention-sink logits.
+
+        Returns:
+            ``(B, H_q, L, D)`` in the queries' dtype.
+        """
+        if self.offset == 0 or self._head_dim is None:
+            raise ValueError(f"{_PREFIX} attention on an empty cache.")
+        B, n_q, L, D = queries.shape
+        if D != self._head_dim or B != self._batch_heads[0] or n_q % self._batch_heads[1]:
+            raise ValueError(
+                f"{_PREFIX} queries {tuple(queries.shape)} do not match the cache "
+                f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
+            )
+        if L > self.offset:
+            raise ValueError(f"{_PREFIX} {L} queries but only {self.offset} cached tokens.")
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"{_PREFIX} unknown mask mode {mask!r}.")
+        elif mask is not None and mask.shape[-1] != self.offset:
+            raise ValueError(
+                f"{_PREFIX} mask covers {mask.shape[-1]} keys but the cache holds "
+                f"{self.offset} tokens."
+            )
+        if L <= self.decode_max_queries:
+            out = self._attend_decode(queries, scale, mask, sinks)
+        else:
+            out = self._attend_prefill(queries, scale, mask, sinks)
+        return out.astype(queries.dtype)
+
+    @staticmethod
+    def _segment_mask(mask, p0: int, n: int, q0: int, L: int):
+        """Mask of keys at positions ``[p0, p0+n)`` for queries at ``[q0, q0+L)``."""
+        if mask is None:
+            return None
+        if isinstance(mask, str):
+            if p0 + n - 1 <= q0:
+                return None  # every query sees every key of the segment
+            return (p0 + mx.arange(n))[None, :] <= (q0 + mx.arange(L))[:, None]
+        return mask[..., p0 : p0 + n]
+
+    def _dense_segments(self, key_end):
+        """``(k, v, p0, n)`` of the fp16 segments (sinks, window) before ``key_end``."""
+        ns, _, wpos = self._layout()
+        segments = []
+        n = min(ns, key_end)
+        if n > 0:
+            k, v = self._sink_k, self._sink_v
+            if n < ns:
+                k, v = k[:, :, :n], v[:, :, :n]
+            segments.append((k, v, 0, n))
+        n = min(self.offset, key_end) - wpos
+        if n > 0:
+            i0 = wpos - self._win_start
+            segments.append((self._win_k[:, :, i0 : i0 + n], self._win_v[:, :, i0 : i0 + n], wpos, n))
+        return segments
+
+    def _dense_parts(self, q, scale, mask, q0, key_end, combine=False):
+        """(out, lse) of the fp16 segments; ``combine`` attends to all of them at once."""
+        L = q.shape[2]
+        segments = self._dense_segments(key_end)
+        if combine and len(segments) > 1:
+            masks = [self._segment_mask(mask, p0, n, q0, L) for _, _, p0, n in segments]
+            if all(m is None for m in masks):
+                m = None
+            else:
+                masks = [mx.ones((L, n), dtype=mx.bool_) if m is None else m
+                         for m, (_, _, _, n) in zip(masks, segments)]
+                if len({m.ndim for m in masks}) > 1:
+                    masks = [m.reshape((1,) * (4 - m.ndim) + m.shape) for m in masks]
+                    shape = np.broadcast_shapes(*[m.shape[:-1] for m in masks])
+                    masks = [mx.broadcast_to(m, shape + m.shape[-1:]) for m in masks]
+                m = mx.concatenate(masks, axis=-1)
+            k = mx.concatenate([seg[0] for seg in segments], axis=2)
+            v = mx.concatenate([seg[1] for seg in segments], axis=2)
+            return [dense_attention(q, k, v, scale, m)]
+        return [
+            dense_attention(q, k, v, scale, self._segment_mask(mask, p0, n, q0, L))
+            for k, v, p0, n in segments
+        ]
+
+    @staticmethod
+    def _sink_part(sinks, q):
+        B, n_q, L, D = q.shape
+        lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
+        return mx.zeros((B, n_q, L, D), dtype=mx.float32), lse
+
+    def _attend_decode(self, queries, scale, mask, sinks):
+        L = queries.shape[2]
+        q0 = self.offset - L
+        S = self.fp16_sink_tokens
+        _, c, wpos = self._layout()
+        parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
+        if 0 < c < L:
+            # Fewer compressed tokens than queries (the op needs kv_len >= L): a few
+            # tokens only, attend to them dequantized.
+            k, v = self._dequantized_rotated(0, c)
+            out, lse = dense_attention(
+                self._rotation.forward(queries), k, v, scale,
+                self._segment_mask(mask, S, c, q0, L),
+            )
+            parts.append((self._rotation.inverse(out), lse))
+        elif c > 0:
+            causal, op_mask = False, None
+            if isinstance(mask, str) and wpos == self.offset:
+                causal = True  # the queries are the last tokens of the compressed segment
+            else:
+                op_mask = self._segment_mask(mask, S, c, q0, L)
+            out, lse = ops.compressed_attention(
+                self._rotation.forward(queries),
+                self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                self._k_centroids, self._v_centroids,
+                c, scale, self.key_bits, self.value_bits, causal, op_mask,
+            )
+            parts.append((self._rotation.inverse(out), lse))
+        if sinks is not None:
+            parts.append(self._sink_part(sinks, queries))
+        return merge_attention(parts)[0]
+
+    def _block_sizes(self, B, n_q, L):
+        """Query chunk and key block (tokens) that keep the scores within budget."""
+        per_pair = B * n_q * 4 * 3  # float32 scores, exponentials, probabilities
+        min_block = self.prefill_min_block
+        q_chunk = max(16, self.prefill_budget_bytes // (per_pair * min_block))
+        q_chunk = min(L, q_chunk)
+        block = self.prefill_budget_bytes // (per_pair * q_chunk)
+        block = max(min_block, min(1 << 16, block)) // min_block * min_block
+        return q_chunk, block
+
+    def _attend_prefill(self, queries, scale, mask, sinks):
+        B, n_q, L, D = queries.shape
+        q_chunk, block = self._block_sizes(B, n_q, L)
+        outs = []
+        for a in range(0, L, q_chunk):
+            q = queries[:, :, a : a + q_chunk]
+            m = mask
+            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L and q_chunk < L:
+                m = mask[..., a : a + q_chunk, :]
+            outs.append(self._attend_chunk(q, self.offset - L + a, scale, m, sinks, block))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _dequantized_rotated(self, start, length):
+        """Keys and values of compressed tokens ``[start, start+length)``, rotated, float32."""
+        k = ops.dequantize(
+            self._k_codes, self._k_scales, self._k_centroids, self.key_bits, start, length
+        )
+        v = ops.dequantize(
+            self._v_codes, self._v_scales, self._v_centroids, self.value_bits, start, length
+        )
+        return k, v
+
+    def _dequantized(self, start, length, dtype):
+        """Keys and values of compressed tokens ``[start, start+length)``, unrotated."""
+        k, v = self._dequantized_rotated(start, length)
+        return self._rotation.inverse(k).astype(dtype), self._rotation.inverse(v).astype(dtype)
+
+    def _attend_chunk(self, q, q0, scale, mask, sinks, block):
+        """Attention of queries at positions ``[q0, q0+Lq)`` (prefill path)."""
+        Lq = q.shape[2]
+        S = self.fp16_sink_tokens
+        ns, c, wpos = self._layout()
+        # Causal queries never see keys after the chunk's last position.
+        key_end = q0 + Lq if isinstance(mask, str) else self.offset
+        n_comp = max(0, min(c, key_end - S))
+
+        if key_end <= block:
+            # Everything fits one block: let MLX's attention run on the whole layer
+            # (fused on the GPU). The temporary is this layer's dequantized prefix.
+            ks, vs = [], []
+            if ns:
+                ks.append(self._sink_k[:, :, : min(ns, key_end)])
+                vs.append(self._sink_v[:, :, : min(ns, key_end)])
+            if n_comp:
+                k, v = self._dequantized(0, n_comp, q.dtype)
+                ks.append(k)
+                vs.append(v)
+            n = key_end - wpos
+            if n > 0:
+                i0 = wpos - self._win_start
+                ks.append(self._win_k[:, :, i0 : i0 + n])
+                vs.append(self._win_v[:, :, i0 : i0 + n])
+            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+            m = mask
+            if isinstance(mask, mx.array):
+                m = mask[..., :key_end]
+            return mx.fast.scaled_dot_product_attention(
+                q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=m, sinks=sinks
+            )
+
+        parts = self._dense_parts(q, scale, mask, q0, key_end)
+        if n_comp:
+            q_rot = self._rotation.forward(q)
+            acc = None
+            for b0 in range(0, n_comp, block):
+                n = min(block, n_comp - b0)
+                k, v = self._dequantized_rotated(b0, n)
+                part = dense_attention(q_rot, k, v, scale, self._segment_mask(mask, S + b0, n, q0, Lq))
+                acc = part if acc is None else merge_two(acc, part)
+                if n_comp > block:
+                    # MLX schedules ready operations breadth first: left lazy, every
+                    # block's dequantization would run before the first merge and the
+                    # temporaries would add up to a full-precision copy of the layer.
+                    mx.eval(acc)
+            parts.append((self._rotation.inverse(acc[0]), acc[1]))
+        if sinks is not None:
+            parts.append(self._sink_part(sinks, q))
+        return merge_attention(parts)[0]
+
+    def dequantized_keys_values(self, dtype=None) -> Tuple[mx.array, mx.array]:
+        """All cached keys and values ``(B, H_kv, offset, D)`` in position order, as
+        attention sees them (fp16 segments as stored, the rest dequantized).
+
+        Materializes a full-precision copy: meant for tests, debugging and export.
+        """
+        if self.offset == 0:
+            raise ValueError(f"{_PREFIX} the cache is empty.")
+        ns, c, wpos = self._layout()
+        dtype = dtype or (
+            self._sink_k.dtype if ns else self._win_k.dtype if self.offset > wpos else mx.float32
+        )
+        ks, vs = [], []
+        if ns:
+            ks.append(self._sink_k.astype(dtype))
+            vs.append(self._sink_v.astype(dtype))
+        if c:
+            k, v = self._dequantized(0, c, dtype)
+            ks.append(k)
+            vs.append(v)
+        if self.offset > wpos:
+            i0 = wpos - self._win_start
+            ks.append(self._win_k[:, :, i0:].astype(dtype))
+            vs.append(self._win_v[:, :, i0:].astype(dtype))
+        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+    # -- protocol ---------------------------------------------------------------------
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Same masks as mlx-lm's ``KVCache.make_mask`` (the cache holds every position)."""
+        return create_attention_mask(
+            N, offset=self.offset, return_array=return_array, window_size=window_size
+        )
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self._head_dim is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drops the last ``n`` tokens; returns how many were dropped.
+
+        Exact (the cache equals one that never saw the dropped tokens) when no
+        fp16 window is used, or when ``n <= rollback_tokens`` since the last time
+        the window lost tokens to a trim; beyond that, tokens that should be back
+        in the fp16 window are only available quantized and are used as such.
+        """
+        n = max(0, min(int(n), self.offset))
+        if n == 0:
+            return 0
+        new = self.offset - n
+        S = self.fp16_sink_tokens
+        if self._sink_k is not None and new < self._sink_k.shape[2]:
+            if new == 0:
+                self._sink_k = self._sink_v = None
+            else:
+                self._sink_k = self._sink_k[:, :, :new]
+                self._sink_v = self._sink_v[:, :, :new]
+        self._n_comp = min(self._n_comp, max(0, new - S))
+        if self.fp16_recent_tokens == 0 or new <= self._win_start:
+            self._win_k = self._win_v = None
+            self._win_start = max(S, new)
+        else:
+            self._win_k = self._win_k[:, :, : new - self._win_start]
+            self._win_v = self._win_v[:, :, : new - self._win_start]
+        self.offset = new
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer the cache holds (allocated capacity included)."""
+        arrays = (
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+            self._sink_k, self._sink_v, self._win_k, self._win_v,
+        )
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the stored tokens (capacity not yet used is not counted)."""
+        n = self._n_comp
+        total = 0
+        if n and self._k_codes is not None:
+            B, H = self._batch_heads
+            wk = ops.words_per_token(self._head_dim, self.key_bits)
+            wv = ops.words_per_token(self._head_dim, self.value_bits)
+            total += B * H * n * (4 * (wk + wv) + 2 * 2)
+        for a in (self._sink_k, self._sink_v, self._win_k, self._win_v):
+            if a is not None:
+                total += a.nbytes
+        return total
+
+    def dense_nbytes(self, bytes_per_element: int = 2) -> int:
+        """Bytes an uncompressed cache of the same tokens would hold (default fp16)."""
+        if self._head_dim is None:
+            return 0
+        B, H = self._batch_heads
+        return 2 * B * H * self.offset * self._head_dim * bytes_per_element
+
+    # -- state ------------------------------------------------------------------------
+
+    def _config_values(self) -> List[int]:
+        return [
+            _FORMAT_VERSION, self.key_bits, self.value_bits, self.seed,
+            self.fp16_sink_tokens, self.fp16_recent_tokens, self.rollback_tokens,
+            self.offset, self._n_comp, self._win_start,
+        ]
+
+    def _state_arrays(self) -> List[mx.array]:
+        n = self._n_comp
+        if self._k_codes is None or n == 0:
+            comp = [_empty(mx.uint32), _empty(mx.float16), _empty(mx.uint32), _empty(mx.float16)]
+        else:
+            comp = [
+                self._k_codes[:, :, :n], self._k_scales[:, :, :n],
+                self._v_codes[:, :, :n], self._v_scales[:, :, :n],
+            ]
+        dense = [
+            a if not _is_empty(a) else _empty(mx.float16)
+            for a in (self._sink_k, self._sink_v, self._win_k, self._win_v)
+        ]
+        return comp + dense
+
+    @property
+    def state(self):
+        """Arrays (compressed segment, sinks, window), then the configuration integers.
+
+        With mlx-lm versions that use ``meta_state``, only the arrays.
+        """
+        arrays = self._state_arrays()
+        if _LEGACY_META_STATE:
+            return arrays
+        return arrays + self._config_values()
+
+    @state.setter
+    def state(self, v):
+        if not hasattr(self, "prefill_budget_bytes"):
+            self._init_runtime()
+        v = list(v)
+        if len(v) == _N_ARRAYS + len(_CONFIG_FIELDS):
+            self._apply_config(v[_N_ARRAYS:])
+            self._set_arrays(v[:_N_ARRAYS])
+        elif len(v) == _N_ARRAYS:
+            if hasattr(self, "key_bits") and getattr(self, "_config_set", False):
+                self._set_arrays(v)
+            else:
+                self._pending_arrays = v  # meta_state will follow
+        else:
+            raise ValueError(
+                f"{_PREFIX} a state has {_N_ARRAYS} arrays and optionally "
+                f"{len(_CONFIG_FIELDS)} integers; got {len(v)} entries."
+            )
+
+    @property
+    def meta_state(self):
+        """The configuration integers as strings (older mlx-lm convention)."""
+        return tuple(str(x) for x in self._config_values())
+
+    @meta_state.setter
+    def meta_state(self, v):
+        if not hasattr(self, "prefill_budget_bytes"):
+            self._init_runtime()
+        self._apply_config(v)
+        if self._pending_arrays is not None:
+            arrays, self._pending_arrays = self._pending_arrays, None
+            self._set_arrays(arrays)
+
+    def _apply_config(self, values):
+        values = list(values)
+        if len(values) != len(_CONFIG_FIELDS):
+            raise ValueError(
+                f"{_PREFIX} expected {len(_CONFIG_FIELDS)} configuration values "
+                f"{_CONFIG_FIELDS}, got {len(values)}."
+            )
+        try:
+            cfg = dict(zip(_CONFIG_FIELDS, (int(x.item() if isinstance(x, mx.array) else x) for x in values)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{_PREFIX} configuration values must be integers: {e}") from e
+        if cfg["format_version"] != _FORMAT_VERSION:
+            raise ValueError(
+                f"{_PREFIX} unsupported state format version {cfg['format_version']} "
+                f"(this build reads version {_FORMAT_VERSION})."
+            )
+        self._configure(
+            cfg["key_bits"], cfg["value_bits"], cfg["seed"], cfg["fp16_sink_tokens"],
+            cfg["fp16_recent_tokens"], cfg["rollback_tokens"],
+        )
+        self._reset_storage()
+        self.offset = _check_int("offset", cfg["offset"])
+        self._n_comp = _check_int("n_compressed", cfg["n_compressed"])
+        self._win_start = _check_int("window_start", cfg["window_start"])
+        self._config_set = True
+
+    def _set_arrays(self, arrays):
+        kc, ks, vc, vs, sk, sv, wk, wv = [None if _is_empty(a) else a for a in arrays]
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        off, n = self.offset, self._n_comp
+
+        def bad(msg):
+            return ValueError(f"{_PREFIX} inconsistent state: {msg}.")
+
+        shapes = [a.shape for a in (kc, sk, wk) if a is not None]
+        if off == 0:
+            if any(a is not None for a in (kc, ks, vc, vs, sk, sv, wk, wv)):
+                raise bad("arrays present in an empty cache")
+            return
+        if not shapes:
+            raise bad(f"offset {off} but no arrays")
+        B, H = shapes[0][0], shapes[0][1]
+        if sk is not None:
+            head_dim = sk.shape[-1]
+        elif wk is not None:
+            head_dim = wk.shape[-1]
+        else:
+            head_dim = kc.shape[-1] * 32 // self.key_bits
+        self._init_codec(head_dim)
+        self._batch_heads = (B, H)
+        dense = [a for a in (sk, sv, wk, wv) if a is not None]
+        if dense:
+            self.window_dtype = dense[0].dtype
+        ns = min(off, S)
+        if (0 if sk is None else sk.shape[2]) != ns or (0 if sv is None else sv.shape[2]) != ns:
+            raise bad(f"expected {ns} sink tokens")
+        if n > max(0, off - S):
+            raise bad(f"{n} compressed tokens beyond offset {off}")
+        wk_words = ops.words_per_token(head_dim, self.key_bits)
+        wv_words = ops.words_per_token(head_dim, self.value_bits)
+        if n:
+            if kc is None or ks is None or vc is None or vs is None:
+                raise bad("missing compressed arrays")
+            if (
+                kc.shape != (B, H, n, wk_words) or vc.shape != (B, H, n, wv_words)
+                or ks.shape != (B, H, n) or vs.shape != (B, H, n)
+                or kc.dtype != mx.uint32 or vc.dtype != mx.uint32
+                or ks.dtype != mx.float16 or vs.dtype != mx.float16
+            ):
+                raise bad("compressed arrays have wrong shapes or dtypes")
+        elif any(a is not None for a in (kc, ks, vc, vs)):
+            raise bad("compressed arrays without compressed tokens")
+        nw = 0 if wk is None else wk.shape[2]
+        if R == 0:
+            if nw or n != max(0, off - S):
+                raise bad("window tokens or missing compressed tokens without a window")
+        else:
+            if self._win_start < S or nw != max(0, off - self._win_start) or S + n < min(
+                self._win_start, off
+            ) or n < max(0, off - R - S):
+                raise bad("window does not match the compressed segment")
+        for a in (sk, sv, wk, wv):
+            if a is not None and (a.shape[0], a.shape[1], a.shape[3]) != (B, H, head_dim):
+                raise bad(f"fp16 segment of shape {tuple(a.shape)}")
+        self._k_codes, self._k_scales, self._v_codes, self._v_scales = kc, ks, vc, vs
+        self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
+        if R == 0:
+            self._win_start = max(S, off)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """Rebuilds a cache from ``state`` (and ``meta_state`` for older mlx-lm)."""
+        obj = cls.__new__(cls)
+        obj._init_runtime()
+        if meta_state is not None:
+            obj.meta_state = meta_state
+        obj.state = state
+        if obj._pending_arrays is not None:
+            raise ValueError(f"{_PREFIX} state has no configuration and no meta_state was given.")
+        return obj
+
+    def __deepcopy__(self, memo):
+        # mlx dtypes cannot be deep-copied (mlx-lm's LRU prompt cache deep-copies caches).
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        return new
+
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError(
+            f"{_PREFIX} batched generation (merging caches) is not supported by TurboQuantKVCache."
+        )
+
+    def __repr__(self):
+        return (
+            f"TurboQuantKVCache(key_bits={self.key_bits}, value_bits={self.value_bits}, "
+            f"seed={self.seed}, fp16_sink_tokens={self.fp16_sink_tokens}, "
+            f"fp16_recent_tokens={self.fp16_recent_tokens}, offset={self.offset})"
+        )
+
+
+# mlx-lm's load_prompt_cache (and CacheList) rebuild caches by class name from the
+# globals of mlx_lm.models.cache.
+setattr(_mlx_cache, "TurboQuantKVCache", TurboQuantKVCache)
+
+
+# ---------------------------------------------------------------------------
+# Presets
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPreset:
+    """A named cache configuration.
+
+    Attributes:
+        name: Preset name.
+        key_bits, value_bits: Bits per coordinate; ``None`` for both means no
+            compression (mlx-lm's own caches).
+        fp16_sink_tokens: First positions kept unquantized.
+        fp16_recent_tokens: Window of most recent tokens kept unquantized.
+        fp16_layers: ``(first_n, last_n)``: that many of the first and last
+            compressible layers keep mlx-lm's plain ``KVCache``.
+        description: One line for ``--help`` and tables.
+    """
+
+    name: str
+    key_bits: Optional[int]
+    value_bits: Optional[int]
+    fp16_sink_tokens: int = 0
+    fp16_recent_tokens: int = 0
+    fp16_layers: Tuple[int, int] = (0, 0)
+    description: str = ""
+
+    @property
+    def compressed(self) -> bool:
+        return self.key_bits is not None
+
+    def bits_per_coordinate(
+        self,
+        head_dim: int,
+        context: int,
+        num_layers: Optional[int] = None,
+        rollback_tokens: int = 16,
+        dense_bits: int = 16,
+    ) -> float:
+        """Average stored bits per cached coordinate (keys and values together).
+
+        Counts codes, the float16 scale of every compressed vector, the fp16 sink
+        tokens and window (with its rollback slack, which is held twice) and, when
+        ``num_layers`` is given, the fp16 boundary layers. Buffer capacity rounding
+        is not counted.
+
+        Args:
+            head_dim: Head dim ``D``.
+            context: Number of cached tokens.
+            num_layers: Number of compressible layers; ``None`` ignores
+                ``fp16_layers`` (estimate for one compressed layer).
+            rollback_tokens: The caches' rollback slack (see TurboQuantKVCache).
+            dense_bits: Bits per element of unquantized storage (16; 32 for a
+                float32 model).
+        """
+        if context <= 0:
+            raise ValueError(f"{_PREFIX} context must be positive, got {context}.")
+        if not self.compressed:
+            return float(dense_bits)
+        sinks = min(self.fp16_sink_tokens, context)
+        rest = context - sinks
+        window = min(self.fp16_recent_tokens, rest)
+        n_comp = rest - window
+        slack = min(rollback_tokens, n_comp) if self.fp16_recent_tokens else 0
+        per_token_comp = (head_dim * self.key_bits + 16) + (head_dim * self.value_bits + 16)
+        bits = n_comp * per_token_comp + (sinks + window + slack) * 2 * head_dim * dense_bits
+        layer_bits = bits / (2 * head_dim * context)
+        if num_layers is None:
+            return layer_bits
+        first, last = self.fp16_layers
+        n_fp16 = min(num_layers, first + last)
+        return (n_fp16 * dense_bits + (num_layers - n_fp16) * layer_bits) / num_layers
+
+
+# The preset table: edit here (values are to be tuned on bench/quality.py results).
+_PRESET_LIST = [
+    KVPreset("fp16", None, None, description="no compression (mlx-lm's own caches)"),
+    KVPreset("tq4", 4, 4, description="4-bit keys and values"),
+    KVPreset("tq3", 3, 3, description="3-bit keys and values"),
+    KVPreset("k4v3", 4, 3, description="4-bit keys, 3-bit values"),
+    KVPreset("k4v2", 4, 2, description="4-bit keys, 2-bit values"),
+    KVPreset(
+        "tq4-sink", 4, 4, fp16_sink_tokens=4,
+        description="4-bit, first 4 tokens (attention sinks) in fp16",
+    ),
+    KVPreset(
+        "tq3-sink", 3, 3, fp16_sink_tokens=4,
+        description="3-bit, first 4 tokens (attention sinks) in fp16",
+    ),
+    KVPreset(
+        "k4v3-sink", 4, 3, fp16_sink_tokens=4,
+        description="4-bit keys, 3-bit values, first 4 tokens in fp16",
+    ),
+    KVPreset(
+        "tq4-plus", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        description="4-bit, fp16 sinks (4), recent window (64), first and last layer",
+    ),
+    KVPreset(
+        "tq3-plus", 3, 3, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        description="3-bit, fp16 sinks (4), recent window (64), first and last layer",
+    ),
+    KVPreset(
+        "k4v3-plus", 4, 3, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        description="4-bit keys, 3-bit values, fp16 sinks, recent window, boundary layers",
+    ),
+]
+PRESETS: Dict[str, KVPreset] = {p.name: p for p in _PRESET_LIST}
+
+# What the command-line generator uses unless told otherwise. On SmolLM2-135M (head
+# dim 64) plain 4-bit derails short chats, while fp16 attention sinks keep them on
+# track; revisit with the quality table.
+DEFAULT_PRESET = "tq4-sink"
+
+
+def get_preset(name: Union[str, KVPreset]) -> KVPreset:
+    """Returns the preset called ``name``; raises ValueError listing the valid names."""
+    if isinstance(name, KVPreset):
+        return name
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{_PREFIX} unknown preset {name!r}; valid presets: {', '.join(PRESETS)}."
+        ) from None
+
+
+def layer_seed(seed: int, layer_idx: int) -> int:
+    """Rotation seed of layer ``layer_idx`` derived from a base seed (32-bit)."""
+    seed = _check_int("seed", seed)
+    layer_idx = _check_int("layer_idx", layer_idx)
+    return int(np.random.SeedSequence([seed, layer_idx]).generate_state(1)[0])
+
+
+# ---------------------------------------------------------------------------
+# Factory
+
+
+def _uses_mlx_lm_attention(model) -> bool:
+    """Whether the model's modules call the (hooked) mlx-lm attention function."""
+    names = {type(model).__module__}
+    try:
+        for _, m in model.named_modules():
+            names.add(type(m).__module__)
+    except AttributeError:
+        pass
+    return any(module_uses_hook(n) for n in names)
+
+
+def _fp16_layer_set(spec, compressible: List[int], num_caches: int) -> set:
+    if spec is None:
+        return set()
+    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(x, (int, np.integer)) for x in spec):
+        first, last = (_check_int("fp16_layers", int(x)) for x in spec)
+        chosen = set(compressible[:first])
+        if last:
+            chosen |= set(compressible[-last:])
+        return chosen
+    out = set()
+    for i in spec:
+        i = int(i)
+        if not -num_caches <= i < num_caches:
+            raise ValueError(
+                f"{_PREFIX} fp16 layer index {i} out of range for {num_caches} layers."
+            )
+        out.add(i % num_caches)
+    return out
+
+
+def _override_config(spec, base: Dict[str, Any], layer: int) -> Optional[Dict[str, Any]]:
+    """Cache kwargs for a layer override; None means a plain KVCache."""
+    if spec is None or (isinstance(spec, str) and spec == "fp16"):
+        return None
+    if isinstance(spec, (str, KVPreset)):
+        p = get_preset(spec)
+        if not p.compressed:
+            return None
+        return dict(
+            base, key_bits=p.key_bits, value_bits=p.value_bits,
+            fp16_sink_tokens=p.fp16_sink_tokens, fp16_recent_tokens=p.fp16_recent_tokens,
+        )
+    if isinstance(spec, tuple) and len(spec) == 2:
+        return dict(base, key_bits=spec[0], value_bits=spec[1])
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {
+            "key_bits", "value_bits", "fp16_sink_tokens", "fp16_recent_tokens", "rollback_tokens"
+        }
+        if unknown:
+            raise ValueError(f"{_PREFIX} layer {layer} override has unknown keys {sorted(unknown)}.")
+        return dict(base, **spec)
+    raise ValueError(
+        f"{_PREFIX} layer {layer} override must be 'fp16', None, a preset name, a "
+        f"(key_bits, value_bits) tuple or a dict; got {spec!r}."
+    )
+
+
+def make_prompt_cache(
+    model,
+    preset: Union[str, KVPreset] = "tq4",
+    *,
+    key_bits: Optional[int] = None,
+    value_bits: Optional[int] = None,
+    fp16_sink_tokens: Optional[int] = None,
+    fp16_recent_tokens: Optional[int] = None,
+    fp16_layers: Union[None, Tuple[int, int], Iterable[int]] = None,
+    layer_overrides: Optional[Mapping[int, Any]] = None,
+    max_kv_size: Optional[int] = None,
+    seed: int = 0,
+    rollback_tokens: int = 16,
+    prefill_budget_bytes: Optional[int] = None,
+    window_dtype: Optional[mx.Dtype] = None,
+) -> List[Any]:
+    """Builds the model's prompt cache with TurboQuant compression.
+
+    The caches mlx-lm would build (``model.make_cache()`` if the model has it,
+    honouring ``max_kv_size`` exactly as ``mlx_lm.models.cache.make_prompt_cache``
+    does) are made first; then every plain ``KVCache`` (full attention) is replaced
+    by a :class:`TurboQuantKVCache`, except fp16 layers. Linear-attention and
+    sliding-window caches are kept. Installs the attention hook.
+
+    Args:
+        model: An mlx-lm model.
+        preset: A name from :data:`PRESETS` (or a :class:`KVPreset`).
+        key_bits, value_bits: Override the preset's bit widths.
+        fp16_sink_tokens, fp16_recent_tokens: Override the preset's fp16 windows.
+        fp16_layers: Layers kept as plain ``KVCache``: a tuple ``(first_n, last_n)``
+            counts among the compressible layers (so on hybrid models it protects the
+            first/last attention layers); any other iterable lists cache indices
+            (negative ones count from the end). Overrides the preset's.
+        layer_overrides: ``{layer_index: spec}`` with spec ``"fp16"``/``None``
+            (plain KVCache), a preset name, a ``(key_bits, value_bits)`` tuple, or a
+            dict of :class:`TurboQuantKVCache` arguments. Only for compressible layers.
+        max_kv_size: Passed to mlx-lm's factory (rotating caches stay uncompressed).
+        seed: Base seed of the per-layer rotations (:func:`layer_seed`).
+        rollback_tokens, prefill_budget_bytes, window_dtype: See
+            :class:`TurboQuantKVCache`.
+
+    Returns:
+        A list with one cache per layer, usable with ``mlx_lm.generate``,
+        ``stream_generate`` and ``generate_step`` (``prompt_cache=``).
+    """
+    p = get_preset(preset)
+    kb = key_bits if key_bits is not None else p.key_bits
+    vb = value_bits if value_bits is not None else p.value_bits
+    if (kb is None) != (vb is None):
+        # e.g. preset "fp16" with only one of the bit widths given
+        kb = kb if kb is not None else vb
+        vb = vb if vb is not None else kb
+    compress = kb is not None
+    base = dict(
+        key_bits=kb,
+        value_bits=vb,
+        fp16_sink_tokens=p.fp16_sink_tokens if fp16_sink_tokens is None else fp16_sink_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens if fp16_recent_tokens is None else fp16_recent_tokens,
+        rollback_tokens=rollback_tokens,
+    )
+
+    caches = list(_mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size))
+    compressible = [i for i, c in enumerate(caches) if type(c) is KVCache]
+    fp16 = _fp16_layer_set(fp16_layers if fp16_layers is not None else p.fp16_layers, compressible, len(caches))
+
+    configs: Dict[int, Optional[Dict[str, Any]]] = {}
+    for i in compressible:
+        configs[i] = None if (not compress or i in fp16) else dict(base)
+    for i, spec in (layer_overrides or {}).items():
+        i = int(i)
+        j = i % len(caches) if -len(caches) <= i < len(caches) else None
+        if j is None or j not in configs:
+            raise ValueError(
+                f"{_PREFIX} layer {i} cannot be overridden: it is not a full-attention "
+                f"KVCache layer (compressible layers: {compressible})."
+            )
+        configs[j] = _override_config(spec, dict(base), j)
+
+    if not any(cfg is not None for cfg in configs.values()):
+        return caches
+
+    install_hook()
+    if not _uses_mlx_lm_attention(model):
+        warnings.warn(
+            f"{_PREFIX} {type(model).__module__} does not call mlx_lm.models.base."
+            "scaled_dot_product_attention, so a compressed cache would be bypassed; "
+            "keeping mlx-lm's caches.",
+            stacklevel=2,
+        )
+        return caches
+
+    for i, cfg in configs.items():
+        if cfg is None:
+            continue
+        if cfg["key_bits"] is None or cfg["value_bits"] is None:
+            raise ValueError(f"{_PREFIX} layer {i}: key_bits and value_bits are required.")
+        caches[i] = TurboQuantKVCache(
+            seed=layer_seed(seed, i), prefill_budget_bytes=prefill_budget_bytes,
+            window_dtype=window_dtype, **cfg
+        )
+    return caches
+
+
+def cache_nbytes(prompt_cache: Sequence[Any]) -> Dict[str, int]:
+    """Byte counts of a prompt cache.
+
+    Returns:
+        ``{"total": ..., "compressed_layers": ..., "dense_equivalent": ...}`` where
+        ``dense_equivalent`` is what fp16 storage of the compressed layers' tokens
+        would take (other layers counted as they are).
+    """
+    total = comp = dense = 0
+    for c in prompt_cache:
+        nb = c.nbytes
+        total += nb
+        if isinstance(c, TurboQuantKVCache):
+            comp += nb
+            dense += c.dense_nbytes(2)
+        else:
+            dense += nb
+    return {"total": total, "compressed_layers": comp, "dense_equivalent": dense}

@@ -1,0 +1,533 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""Unit tests of TurboQuantKVCache, the segment merge, presets, factory and save/load.
+
+Attention outputs are compared with mlx's own attention on keys and values that the
+NumPy reference codec reconstructs (lm_helpers.DequantizedReferenceCache), fed the
+identical tokens, so the tolerance is float32 rounding.
+"""
+
+import copy
+import sys
+import types
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import KVCache
+
+from lm_helpers import DequantizedReferenceCache, build_model
+from turboquant_mlx.attention import dense_attention, merge_attention
+from turboquant_mlx.cache import (
+    PRESETS,
+    KVPreset,
+    TurboQuantKVCache,
+    cache_nbytes,
+    get_preset,
+    layer_seed,
+    make_prompt_cache,
+)
+from turboquant_mlx.prompt_cache import PromptCacheError, load_prompt_cache, save_prompt_cache
+
+TOL = 2e-5
+
+
+def _rand(rng, shape, dtype=mx.float32):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, **cfg):
+    """A TurboQuant cache fed random chunks, and what attention must see.
+
+    Returns ``(cache, K, V)``: K/V are the cache's contents in position order as
+    reconstructed by ``cache.dequantized_keys_values`` after they are checked against
+    the NumPy reference codec (test_contents_match_reference_codec), so the attention
+    tests compare against mlx's attention on identical inputs.
+    """
+    cfg.setdefault("key_bits", 4)
+    cfg.setdefault("value_bits", 4)
+    cfg.setdefault("seed", 9)
+    budget = cfg.pop("prefill_budget_bytes", None)
+    cache = TurboQuantKVCache(prefill_budget_bytes=budget, **cfg)
+    ref = DequantizedReferenceCache(
+        cfg["key_bits"], cfg["value_bits"], cfg["seed"],
+        cfg.get("fp16_sink_tokens", 0), cfg.get("fp16_recent_tokens", 0),
+    )
+    for n in chunks:
+        k = _rand(rng, (B, H, n, D), dtype)
+        v = _rand(rng, (B, H, n, D), dtype)
+        cache.update_and_fetch(k, v)
+        ref.update_and_fetch(k, v)
+    _check_contents(cache, ref)
+    K, V = cache.dequantized_keys_values(mx.float32)
+    return cache, K, V
+
+
+def _check_contents(cache, ref):
+    """The cache holds what the reference codec produces, position by position.
+
+    fp16 positions must be bit-exact. A quantized coordinate whose input lies within
+    float32 rounding of a decision boundary may take the neighbouring code (the
+    reference rotates in float64, the cache in float32), so up to 0.5% of the
+    quantized vectors may differ slightly.
+    """
+    K, V = cache.dequantized_keys_values(mx.float32)
+    pos = np.arange(cache.offset)
+    exact = (pos < ref.sinks) | (pos >= max(ref.sinks, cache.offset - ref.recent))
+    for got, raw, want in ((K, ref.k, ref.k_hat), (V, ref.v, ref.v_hat)):
+        got = np.array(got)
+        np.testing.assert_array_equal(got[:, :, exact], raw[:, :, exact])
+        diff = np.abs(got[:, :, ~exact] - want[:, :, ~exact])
+        close = diff <= 1e-5 * (1 + np.abs(want[:, :, ~exact]))
+        bad_vectors = ~np.all(close, axis=-1)
+        assert bad_vectors.sum() <= max(1, 0.005 * bad_vectors.size), bad_vectors.sum()
+        # A neighbouring code moves a vector by a fraction of one codebook step.
+        w = want[:, :, ~exact]
+        rel = np.linalg.norm(got[:, :, ~exact] - w, axis=-1) / np.linalg.norm(w, axis=-1)
+        assert np.all(rel[bad_vectors] < 0.1), rel[bad_vectors]
+
+
+def _expected(q, K, V, scale, mask, sinks=None):
+    return mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), K.astype(mx.float32), V.astype(mx.float32),
+        scale=scale, mask=mask, sinks=sinks,
+    )
+
+
+# ---------------------------------------------------------------------------
+# merge
+
+
+def test_merge_attention_equals_attention_over_the_union():
+    rng = np.random.default_rng(0)
+    B, Hq, Hkv, L, D = 2, 4, 2, 5, 32
+    q = _rand(rng, (B, Hq, L, D))
+    sizes = [3, 17, 6]
+    ks = [_rand(rng, (B, Hkv, n, D)) for n in sizes]
+    vs = [_rand(rng, (B, Hkv, n, D)) for n in sizes]
+    mask = mx.array(rng.random((B, Hq, L, sum(sizes))) > 0.3)
+    mask[:, :, 2, :] = False  # a row without any visible key
+    mask[:, :, 3, :3] = False  # a row whose first segment is empty
+    parts, p0 = [], 0
+    for k, v, n in zip(ks, vs, sizes):
+        parts.append(dense_attention(q, k, v, 0.3, mask[..., p0 : p0 + n]))
+        p0 += n
+    out, lse = merge_attention(parts)
+    full_out, full_lse = dense_attention(
+        q, mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), 0.3, mask
+    )
+    np.testing.assert_allclose(np.array(out), np.array(full_out), atol=1e-5)
+    np.testing.assert_allclose(np.array(lse), np.array(full_lse), atol=1e-5)
+    assert np.all(np.array(out)[:, :, 2] == 0) and np.all(np.isneginf(np.array(lse)[:, :, 2]))
+    # Against mlx's attention where every row has a visible key.
+    rows = mx.array([0, 1, 3, 4])
+    want = _expected(q[:, :, rows], mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), 0.3,
+                     mask[:, :, rows])
+    np.testing.assert_allclose(np.array(out)[:, :, [0, 1, 3, 4]], np.array(want), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# attention on the cache vs the reference
+
+
+LAYOUTS = [
+    dict(),
+    dict(key_bits=3, value_bits=2),
+    dict(fp16_sink_tokens=4),
+    dict(fp16_recent_tokens=10, rollback_tokens=3),
+    dict(fp16_sink_tokens=2, fp16_recent_tokens=6, key_bits=4, value_bits=3),
+]
+
+
+def _masks(rng, L, N, B, Hq):
+    bool_mask = mx.array(rng.random((B, Hq, L, N)) > 0.2)
+    bool_mask[..., 0] = True
+    additive = mx.where(mx.array(rng.random((L, N)) > 0.3), 0.0, -1e9)
+    additive[:, 0] = 0.0
+    return [None, "causal", bool_mask, additive]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "-".join(f"{k[:4]}{v}" for k, v in c.items()) or "plain")
+@pytest.mark.parametrize("L", [1, 3, 8, 9, 40])
+def test_attention_matches_reference(layout, L):
+    rng = np.random.default_rng(L)
+    B, Hq, H, D = 2, 4, 2, 64
+    cache, K, V = _filled(rng, [37, 1, 5, 1, 20], B=B, H=H, D=D, **layout)
+    N = cache.offset
+    q = _rand(rng, (B, Hq, L, D))
+    sinks = _rand(rng, (Hq,))
+    for mask in _masks(rng, L, N, B, Hq):
+        want = _expected(q, K, V, 0.2, mask)
+        got = cache.attention(q, scale=0.2, mask=mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL, err_msg=str(mask)[:20])
+    want = _expected(q, K, V, 0.2, "causal", sinks=sinks)
+    np.testing.assert_allclose(
+        np.array(cache.attention(q, 0.2, "causal", sinks=sinks)), np.array(want), atol=TOL
+    )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[:1] + LAYOUTS[3:], ids=["plain", "window", "sink-window"])
+def test_prefill_key_blocks_and_query_chunks_match_reference(layout):
+    rng = np.random.default_rng(5)
+    B, Hq, H, D = 1, 4, 2, 64
+    cache, K, V = _filled(rng, [150, 70], B=B, H=H, D=D, prefill_budget_bytes=1, **layout)
+    cache.prefill_min_block = 32
+    assert cache._block_sizes(B, Hq, 70) == (16, 32)  # 5 query chunks, 32-token blocks
+    q = _rand(rng, (B, Hq, 70, D))
+    for mask in _masks(rng, 70, cache.offset, B, Hq):
+        got = cache.attention(q, scale=0.125, mask=mask)
+        want = _expected(q, K, V, 0.125, mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_inputs(dtype):
+    rng = np.random.default_rng(3)
+    cache, K, V = _filled(rng, [30, 1], dtype=dtype, fp16_sink_tokens=2, fp16_recent_tokens=4)
+    assert cache._sink_k.dtype == dtype and cache._win_k.dtype == dtype
+    for L in (1, 12):
+        q = _rand(rng, (1, 2, L, 64), dtype)
+        got = cache.attention(q, 0.125, "causal" if L > 1 else None)
+        assert got.dtype == dtype
+        want = _expected(q, K, V, 0.125, "causal" if L > 1 else None)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), atol=2e-2)
+
+
+def test_prefill_temporary_memory_is_bounded():
+    rng = np.random.default_rng(1)
+    B, H, Hq, D, N, L = 1, 2, 4, 64, 16384, 64
+    cache = TurboQuantKVCache(4, 4, seed=1, prefill_budget_bytes=1 << 20)
+    for _ in range(N // 4096):
+        cache.update_and_fetch(_rand(rng, (B, H, 4096, D)), _rand(rng, (B, H, 4096, D)))
+    mx.eval(cache.state)
+    q = _rand(rng, (B, Hq, L, D))
+    mx.eval(q)
+    dense_bytes = 2 * B * H * N * D * 4  # a float32 copy of the layer's K and V
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = cache.attention(q, 0.125, "causal")
+    mx.eval(out)
+    extra = mx.get_peak_memory() - base
+    assert extra < dense_bytes / 4, (extra, dense_bytes)
+    # The compressed cache itself: 4-bit codes + fp16 scale, K and V.
+    assert cache.nbytes == 2 * B * H * N * (D * 4 // 8 + 2)
+
+
+# ---------------------------------------------------------------------------
+# protocol
+
+
+def test_protocol_basics_and_no_bits_attribute():
+    cache = TurboQuantKVCache(4, 3, seed=2)
+    assert not hasattr(cache, "bits")
+    assert cache.empty() and cache.size() == 0 and cache.nbytes == 0 and cache.is_trimmable()
+    rng = np.random.default_rng(0)
+    k, v = _rand(rng, (1, 2, 5, 64)), _rand(rng, (1, 2, 5, 64))
+    rk, rv = cache.update_and_fetch(k, v)
+    assert rk is k and rv is v
+    assert not cache.empty() and cache.size() == cache.offset == 5
+    ref = KVCache()
+    ref.update_and_fetch(k, v)
+    for args in [(1,), (4,), (4, True), (1, False, 3), (6, False, 3), (6, True, 3)]:
+        kw = dict(zip(("return_array", "window_size"), args[1:]))
+        a = cache.make_mask(args[0], **kw)
+        b = ref.make_mask(args[0], **dict(dict(return_array=False, window_size=None), **kw))
+        assert (a is None and b is None) or isinstance(a, str) and a == b or mx.array_equal(a, b)
+    with pytest.raises(ValueError, match="head dim"):
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 32)))
+    with pytest.raises(ValueError, match="do not match"):
+        cache.update_and_fetch(_rand(rng, (1, 3, 1, 64)), _rand(rng, (1, 3, 1, 64)))
+    with pytest.raises(ValueError, match="mask covers"):
+        cache.attention(_rand(rng, (1, 2, 1, 64)), 1.0, mx.ones((1, 3), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="empty cache"):
+        TurboQuantKVCache().attention(_rand(rng, (1, 2, 1, 64)), 1.0)
+    with pytest.raises(ValueError, match="key_bits"):
+        TurboQuantKVCache(key_bits=5)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        TurboQuantKVCache(3, 3).update_and_fetch(_rand(rng, (1, 1, 1, 48)), _rand(rng, (1, 1, 1, 48)))
+
+
+def test_capacity_grows_geometrically_and_reserve_preallocates():
+    rng = np.random.default_rng(0)
+    cache = TurboQuantKVCache(4, 4)
+    caps = []
+    for _ in range(40):
+        cache.update_and_fetch(_rand(rng, (1, 1, 64, 64)), _rand(rng, (1, 1, 64, 64)))
+        caps.append(cache._k_codes.shape[2])
+    growths = sorted(set(caps))
+    assert growths[0] == 256 and all(b >= 1.25 * a for a, b in zip(growths, growths[1:]))
+    reserved = TurboQuantKVCache(4, 4, fp16_sink_tokens=4)
+    reserved.reserve(3000)
+    for _ in range(40):
+        reserved.update_and_fetch(_rand(rng, (1, 1, 64, 64)), _rand(rng, (1, 1, 64, 64)))
+        assert reserved._k_codes.shape[2] == 3072  # one allocation, rounded to the step
+
+
+def test_deepcopy_is_independent():
+    rng = np.random.default_rng(0)
+    cache, _, _ = _filled(rng, [20], fp16_recent_tokens=4)
+    twin = copy.deepcopy(cache)
+    q = _rand(rng, (1, 2, 1, 64))
+    before = cache.attention(q, 0.1)
+    twin.update_and_fetch(_rand(rng, (1, 2, 3, 64)), _rand(rng, (1, 2, 3, 64)))
+    assert cache.offset == 20 and twin.offset == 23
+    assert mx.array_equal(cache.attention(q, 0.1), before)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=range(len(LAYOUTS)))
+def test_trim_equals_never_having_the_tokens(layout):
+    rng = np.random.default_rng(2)
+    keys = _rand(rng, (1, 2, 60, 64))
+    vals = _rand(rng, (1, 2, 60, 64))
+    junk_k, junk_v = _rand(rng, (1, 2, 3, 64)), _rand(rng, (1, 2, 3, 64))
+    a = TurboQuantKVCache(**dict(dict(key_bits=4, value_bits=4, seed=1), **layout))
+    b = TurboQuantKVCache(**dict(dict(key_bits=4, value_bits=4, seed=1), **layout))
+    for c in (a, b):
+        c.update_and_fetch(keys[:, :, :30], vals[:, :, :30])
+    a.update_and_fetch(junk_k, junk_v)
+    assert a.trim(3) == 3 and a.offset == 30
+    for c in (a, b):
+        c.update_and_fetch(keys[:, :, 30:31], vals[:, :, 30:31])
+        c.update_and_fetch(keys[:, :, 31:], vals[:, :, 31:])
+    ka, va = a.dequantized_keys_values()
+    kb, vb = b.dequantized_keys_values()
+    assert mx.array_equal(ka, kb) and mx.array_equal(va, vb)
+    q = _rand(rng, (1, 4, 2, 64))
+    assert mx.allclose(a.attention(q, 0.1, "causal"), b.attention(q, 0.1, "causal"), atol=1e-6)
+
+
+def test_trim_beyond_rollback_and_to_zero():
+    rng = np.random.default_rng(4)
+    cache, _, _ = _filled(rng, [40], fp16_sink_tokens=3, fp16_recent_tokens=5, rollback_tokens=2)
+    assert cache.trim(12) == 12 and cache.offset == 28
+    # The window lost tokens that exist only quantized now; attention still covers all.
+    k, v = cache.dequantized_keys_values()
+    assert k.shape[2] == 28
+    cache.update_and_fetch(_rand(rng, (1, 2, 4, 64)), _rand(rng, (1, 2, 4, 64)))
+    assert cache.dequantized_keys_values()[0].shape[2] == 32
+    assert cache.trim(100) == 32 and cache.offset == 0
+    cache.update_and_fetch(_rand(rng, (1, 2, 9, 64)), _rand(rng, (1, 2, 9, 64)))
+    assert cache.offset == 9 and cache._sink_k.shape[2] == 3
+    assert cache.attention(_rand(rng, (1, 2, 1, 64)), 0.1).shape == (1, 2, 1, 64)
+
+
+# ---------------------------------------------------------------------------
+# state, save and load
+
+
+def _assert_same_cache(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, TurboQuantKVCache):
+        assert a._config_values() == b._config_values()
+        for x, y in zip(a._state_arrays(), b._state_arrays()):
+            assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y)
+    else:
+        for x, y in zip(a.state, b.state):
+            if isinstance(x, mx.array):
+                assert mx.array_equal(x, y)
+            else:
+                assert x == y
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + [dict(fp16_sink_tokens=50)], ids=range(len(LAYOUTS) + 1))
+def test_state_round_trip(layout):
+    rng = np.random.default_rng(6)
+    cache, _, _ = _filled(rng, [33, 1, 4], **layout)
+    q = _rand(rng, (1, 2, 3, 64))
+    want = cache.attention(q, 0.1, "causal")
+    new = TurboQuantKVCache.from_state(cache.state)
+    _assert_same_cache(cache, new)
+    assert mx.array_equal(new.attention(q, 0.1, "causal"), want)
+    # Older mlx-lm: arrays in `state`, integers as strings in `meta_state`; either order.
+    arrays, meta = cache.state[:8], cache.meta_state
+    assert all(isinstance(s, str) for s in meta)
+    _assert_same_cache(cache, TurboQuantKVCache.from_state(arrays, meta))
+    legacy = TurboQuantKVCache.__new__(TurboQuantKVCache)
+    legacy.state = arrays
+    legacy.meta_state = meta
+    _assert_same_cache(cache, legacy)
+    # Continuing works the same on both.
+    k, v = _rand(rng, (1, 2, 2, 64)), _rand(rng, (1, 2, 2, 64))
+    cache.update_and_fetch(k, v)
+    new.update_and_fetch(k, v)
+    assert mx.array_equal(new.attention(q, 0.1, "causal"), cache.attention(q, 0.1, "causal"))
+
+
+def test_empty_state_round_trip_and_bad_states():
+    cache = TurboQuantKVCache(3, 2, seed=4, fp16_recent_tokens=8)
+    new = TurboQuantKVCache.from_state(cache.state)
+    assert new.empty() and new.offset == 0 and (new.key_bits, new.value_bits) == (3, 2)
+    rng = np.random.default_rng(0)
+    full, _, _ = _filled(rng, [20])
+    state = full.state
+    with pytest.raises(ValueError, match="entries"):
+        TurboQuantKVCache.from_state(state[:5])
+    bad = list(state)
+    bad[8 + 7] = 21  # offset beyond the stored tokens
+    with pytest.raises(ValueError, match="inconsistent"):
+        TurboQuantKVCache.from_state(bad)
+    bad = list(state)
+    bad[0] = bad[0][:, :, :-1]
+    with pytest.raises(ValueError, match="inconsistent"):
+        TurboQuantKVCache.from_state(bad)
+    with pytest.raises(ValueError, match="no configuration"):
+        TurboQuantKVCache.from_state(state[:8])
+
+
+def _mixed_cache(rng):
+    """A prompt cache with compressed, fp16 and quantized layers."""
+    tq1, _, _ = _filled(rng, [25, 1], fp16_sink_tokens=2, fp16_recent_tokens=5)
+    tq2, _, _ = _filled(rng, [26], key_bits=3, value_bits=2, seed=123456789)
+    kv = KVCache()
+    kv.update_and_fetch(_rand(rng, (1, 2, 26, 64)), _rand(rng, (1, 2, 26, 64)))
+    return [tq1, tq2, kv]
+
+
+def test_save_load_exact_and_mlx_lm_compatible(tmp_path):
+    rng = np.random.default_rng(8)
+    cache = _mixed_cache(rng)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache, {"model": "tiny", "note": "x"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta == {"model": "tiny", "note": "x"}
+    for a, b in zip(cache, loaded):
+        _assert_same_cache(a, b)
+    # mlx-lm's loader reads the same file (the class is registered with mlx-lm).
+    assert mlx_cache.TurboQuantKVCache is TurboQuantKVCache
+    for a, b in zip(cache, mlx_cache.load_prompt_cache(path)):
+        _assert_same_cache(a, b)
+    # ... and files written by mlx-lm load with allow_unverified.
+    path2 = str(tmp_path / "m.safetensors")
+    mlx_cache.save_prompt_cache(path2, cache, {"model": "tiny"})
+    with pytest.raises(PromptCacheError, match="no checksum"):
+        load_prompt_cache(path2)
+    for a, b in zip(cache, load_prompt_cache(path2, allow_unverified=True)):
+        _assert_same_cache(a, b)
+
+
+def test_corrupted_or_truncated_file_is_refused(tmp_path):
+    rng = np.random.default_rng(9)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, _mixed_cache(rng))
+    data = open(path, "rb").read()
+    header_len = int.from_bytes(data[:8], "little")
+
+    def write(blob):
+        p = str(tmp_path / "bad.safetensors")
+        with open(p, "wb") as f:
+            f.write(blob)
+        return p
+
+    for cut in (len(data) - 1, len(data) // 2, 8 + header_len // 2, 5):
+        with pytest.raises(PromptCacheError, match="cannot be read"):
+            load_prompt_cache(write(data[:cut]))
+    # Flip one byte in several places of the data section.
+    for pos in (8 + header_len + 3, (8 + header_len + len(data)) // 2, len(data) - 1):
+        blob = bytearray(data)
+        blob[pos] ^= 0x10
+        with pytest.raises(PromptCacheError, match="checksum mismatch"):
+            load_prompt_cache(write(bytes(blob)))
+    # Alter metadata in the header (same length, still valid JSON).
+    text = data[8 : 8 + header_len].decode()
+    assert '"1.0":"TurboQuantKVCache"' in text
+    altered = text.replace('"1.2":"KVCache"', '"1.2":"KVCachf"')
+    assert altered != text
+    with pytest.raises(PromptCacheError, match="checksum mismatch"):
+        load_prompt_cache(write(data[:8] + altered.encode() + data[8 + header_len :]))
+    with pytest.raises(FileNotFoundError):
+        load_prompt_cache(str(tmp_path / "missing.safetensors"))
+
+
+# ---------------------------------------------------------------------------
+# presets and factory
+
+
+def test_presets_table():
+    with pytest.raises(ValueError, match="valid presets: fp16, tq4, tq3"):
+        get_preset("tq5")
+    assert {"fp16", "tq4", "tq3", "tq4-sink", "tq3-sink"} <= set(PRESETS)
+    assert PRESETS["tq4"].bits_per_coordinate(64, 4096) == pytest.approx(4.25)
+    assert PRESETS["tq3"].bits_per_coordinate(128, 1000) == pytest.approx(3.125)
+    assert PRESETS["fp16"].bits_per_coordinate(64, 10) == 16
+    p = KVPreset("x", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=60, fp16_layers=(1, 1))
+    # 1000 tokens: 4 sinks + 60 window + 16 rollback in fp16, 936 compressed.
+    per_layer = (936 * 2 * (64 * 4 + 16) + 80 * 2 * 64 * 16) / (2 * 64 * 1000)
+    assert p.bits_per_coordinate(64, 1000) == pytest.approx(per_layer)
+    assert p.bits_per_coordinate(64, 1000, num_layers=30) == pytest.approx((2 * 16 + 28 * per_layer) / 30)
+    assert p.bits_per_coordinate(64, 10) == 16  # everything still fp16
+
+
+def test_factory_options():
+    model = build_model("llama", num_hidden_layers=6)
+    types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]
+    assert types_of(make_prompt_cache(model, "fp16")) == ["kv"] * 6
+    assert types_of(make_prompt_cache(model, "tq4", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
+    plus = make_prompt_cache(model, "tq4-plus")
+    assert types_of(plus) == ["kv", "tq", "tq", "tq", "tq", "kv"]
+    assert plus[1].fp16_sink_tokens == 4 and plus[1].fp16_recent_tokens == 64
+    cache = make_prompt_cache(
+        model, "tq3", key_bits=4, seed=5,
+        layer_overrides={0: "tq4", 2: (2, 3), 3: {"value_bits": 4, "fp16_sink_tokens": 1}, -1: "fp16"},
+    )
+    assert types_of(cache) == ["tq", "tq", "tq", "tq", "tq", "kv"]
+    assert [(c.key_bits, c.value_bits) for c in cache[:5]] == [(4, 4), (4, 3), (2, 3), (4, 4), (4, 3)]
+    assert cache[3].fp16_sink_tokens == 1
+    seeds = [c.seed for c in cache[:5]]
+    assert len(set(seeds)) == 5 and seeds[1] == layer_seed(5, 1)
+    assert [c.seed for c in make_prompt_cache(model, "tq4", seed=5)] == [layer_seed(5, i) for i in range(6)]
+    # fp16 preset with explicit bits compresses with those bits.
+    assert types_of(make_prompt_cache(model, "fp16", key_bits=4)) == ["tq"] * 6
+    with pytest.raises(ValueError, match="valid presets"):
+        make_prompt_cache(model, "nope")
+    with pytest.raises(ValueError, match="layer 9 cannot be overridden"):
+        make_prompt_cache(model, "tq4", layer_overrides={9: "fp16"})
+    # Rotating caches (max_kv_size on a model without make_cache) are left alone.
+    gemma = build_model("gemma3_text")
+    with pytest.raises(ValueError, match="not a full-attention"):
+        make_prompt_cache(gemma, "tq4", layer_overrides={0: "tq3"})
+
+
+def test_factory_refuses_models_that_bypass_the_hook():
+    module = types.ModuleType("tq_test_custom_model")
+    sys.modules[module.__name__] = module
+    try:
+        exec(
+            "import mlx.nn as nn\n"
+            "class Model(nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.layers = [nn.Linear(2, 2), nn.Linear(2, 2)]\n",
+            module.__dict__,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = make_prompt_cache(module.Model(), "tq4")
+        assert all(type(c) is KVCache for c in cache)
+        assert any("bypassed" in str(w.message) for w in caught)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_cache_nbytes_report():
+    rng = np.random.default_rng(0)
+    cache = _mixed_cache(rng)
+    report = cache_nbytes(cache)
+    assert report["total"] == sum(c.nbytes for c in cache)
+    assert report["compressed_layers"] == cache[0].nbytes + cache[1].nbytes
+    assert report["dense_equivalent"] == 2 * 2 * 26 * 64 * 2 * 2 + cache[2].nbytes
+
+
+@pytest.mark.parametrize("L", [1, 2, 5, 8])
+def test_queries_cover_the_whole_short_cache(L):
+    # Fewer compressed tokens than queries: early queries see only sinks / nothing compressed.
+    rng = np.random.default_rng(L)
+    for layout in (dict(), dict(fp16_sink_tokens=2), dict(fp16_sink_tokens=1, fp16_recent_tokens=2)):
+        cache, K, V = _filled(rng, [L], **layout)
+        q = _rand(rng, (1, 4, L, 64))
+        want = _expected(q, K, V, 0.3, "causal")
+        np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want), atol=TOL)

@@ -1,0 +1,224 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""End-to-end tests of the mlx-lm integration on tiny random-weight models.
+
+The expected values come from :class:`lm_helpers.DequantizedReferenceCache`: mlx-lm's
+own attention on an uncompressed cache holding what the compressed cache should
+hold (NumPy reference codec), so every test compares the compressed path with an
+independent computation.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step, stream_generate
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models import llama as mlx_llama
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
+
+import lm_helpers
+from lm_helpers import build_model, reference_caches, shadow_caches
+from turboquant_mlx.attention import hook_installed, install_hook, uninstall_hook
+from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
+
+# Attention outputs inside the model, compressed path vs reference on identical inputs.
+ATTN_TOL = 2e-5
+# Logits of a whole run against a run of the same model with reference caches. The
+# runs compute each layer's attention differently (fused vs dense, in float32), so
+# the next layer's keys differ in the last bits; rounded to 16 bits and quantized,
+# a few of them land on a neighbouring code, and such differences propagate. They
+# stay ~100x below what quantization itself does to the logits (asserted below).
+ATOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("llama")
+
+
+def _tokens(n, seed=1):
+    return mx.array(np.random.default_rng(seed).integers(0, 256, n).astype(np.int32))
+
+
+def _run(model, cache, tokens, schedule):
+    """Feeds ``tokens`` in chunks of the given sizes; returns each call's logits."""
+    outs, i = [], 0
+    for n in schedule:
+        logits = model(tokens[None, i : i + n], cache=cache)
+        mx.eval(logits)
+        outs.append(logits)
+        i += n
+    return outs
+
+
+# Chunk sizes: prefill (> 8), verify (2..8, causal), decode (1).
+SCHEDULE = [40, 5, 1, 1, 3, 1, 12, 1, 1]
+
+CONFIGS = [
+    dict(key_bits=4, value_bits=4),
+    dict(key_bits=3, value_bits=3),
+    dict(key_bits=4, value_bits=2),
+    dict(key_bits=4, value_bits=4, fp16_sink_tokens=4),
+    dict(key_bits=3, value_bits=4, fp16_sink_tokens=3, fp16_recent_tokens=16),
+    dict(key_bits=4, value_bits=4, fp16_recent_tokens=7),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("blocked", [False, True], ids=["one_block", "blocked"])
+def test_logits_match_dequantized_reference(llama, cfg, blocked):
+    extra = dict(prefill_budget_bytes=1) if blocked else {}
+    cache = shadow_caches(llama, seed=3, rollback_tokens=4, **cfg, **extra)
+    if blocked:
+        # Force the key-block path of prefill: 16-token blocks, 16-query chunks.
+        for c in cache:
+            c.prefill_min_block = 16
+    ref = reference_caches(llama, cfg["key_bits"], cfg["value_bits"], seed=3,
+                           fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
+                           fp16_recent_tokens=cfg.get("fp16_recent_tokens", 0))
+    tokens = _tokens(sum(SCHEDULE))
+    got = _run(llama, cache, tokens, SCHEDULE)
+    for c in cache:
+        assert [n for n, _ in c.diffs] == SCHEDULE  # every call went through the hook
+        for n, d in c.diffs:
+            assert d < ATTN_TOL, (n, d)
+    want = _run(llama, ref, tokens, SCHEDULE)
+    fp16 = _run(llama, mlx_make_prompt_cache(llama), tokens, SCHEDULE)
+    for n, g, w, f in zip(SCHEDULE, got, want, fp16):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=ATOL, rtol=0, err_msg=f"chunk {n}")
+    # The comparison is meaningful: quantization visibly changes the logits.
+    assert max(float(mx.abs(g - f).max()) for g, f in zip(got, fp16)) > 50 * ATOL
+
+
+def test_head_dim_128_and_fp16_layers():
+    model = build_model("llama_d128")
+    cache = make_prompt_cache(model, "tq4", fp16_layers={0}, seed=5)
+    assert type(cache[0]) is KVCache and isinstance(cache[1], TurboQuantKVCache)
+    cache = shadow_caches(model, seed=5, fp16_layers={0}, key_bits=4, value_bits=4)
+    _run(model, cache, _tokens(30, seed=2), [20, 1, 4, 1])
+    assert len(cache[1].diffs) == 4 and all(d < ATTN_TOL for _, d in cache[1].diffs)
+
+
+def test_hook_leaves_other_caches_bit_identical(llama):
+    tokens = _tokens(24)
+    uninstall_hook()
+    assert not hook_installed()
+    before = _run(llama, mlx_make_prompt_cache(llama), tokens, [20, 1, 3])
+    install_hook()
+    install_hook()  # idempotent
+    assert hook_installed()
+    assert mlx_llama.scaled_dot_product_attention is mlx_base.scaled_dot_product_attention
+    after = _run(llama, mlx_make_prompt_cache(llama), tokens, [20, 1, 3])
+    for a, b in zip(before, after):
+        assert mx.array_equal(a, b)
+    restored = uninstall_hook()
+    assert "mlx_lm.models.llama" in restored and "mlx_lm.models.base" in restored
+    assert not hook_installed()
+    make_prompt_cache(llama, "tq4")  # the factory reinstalls it
+    assert hook_installed()
+
+
+def test_greedy_generation_matches_reference(llama):
+    prompt = _tokens(30, seed=4)
+    cache = make_prompt_cache(llama, "tq4", seed=7)
+    ref = reference_caches(llama, 4, 4, seed=7)
+    got = [t for t, _ in generate_step(prompt, llama, prompt_cache=cache, max_tokens=12,
+                                        prefill_step_size=16)]
+    want = [t for t, _ in generate_step(prompt, llama, prompt_cache=ref, max_tokens=12,
+                                         prefill_step_size=16)]
+    assert got == want
+    assert cache[0].offset == ref[0].offset >= 30 + 11
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_5", "qwen3_next", "gemma3_text"])
+def test_factory_layer_types_and_generation(name, monkeypatch):
+    calls = {}
+    original = TurboQuantKVCache.attention
+
+    def counting(self, queries, *args, **kwargs):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return original(self, queries, *args, **kwargs)
+
+    monkeypatch.setattr(TurboQuantKVCache, "attention", counting)
+    model = build_model(name)
+    base_types = [type(c) for c in mlx_make_prompt_cache(model)]
+    cache = make_prompt_cache(model, "tq4")
+    for b, c in zip(base_types, cache):
+        if b is KVCache:
+            assert isinstance(c, TurboQuantKVCache)
+        else:
+            assert type(c) is b and not isinstance(c, TurboQuantKVCache)
+    if name in ("qwen3_5", "qwen3_next"):
+        assert {ArraysCache, KVCache} <= set(base_types)
+    if name == "gemma3_text":
+        assert {RotatingKVCache, KVCache} <= set(base_types)
+    prompt = _tokens(40, seed=5)
+    toks = [t for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=6,
+                                         prefill_step_size=24)]
+    assert len(toks) == 6
+    assert {c.offset for c in cache if isinstance(c, TurboQuantKVCache)} == {46}  # one step ahead
+    # Every model call reached the compressed attention of every compressed layer:
+    # prefill 24 + 15, then 7 decode steps.
+    assert sorted(calls.values()) == [9] * sum(isinstance(c, TurboQuantKVCache) for c in cache)
+    # Compressed attention layers track the uncompressed model closely.
+    logits_tq = model(prompt[None, :20], cache=make_prompt_cache(model, "tq4"))
+    logits_fp = model(prompt[None, :20], cache=mlx_make_prompt_cache(model))
+    assert float(mx.abs(logits_tq - logits_fp).max()) < 0.25 * float(mx.abs(logits_fp).max())
+
+
+def test_trim_then_continue_matches_cache_without_trimmed_tokens(llama):
+    tokens = _tokens(60, seed=6)
+    junk = _tokens(6, seed=7)
+    for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
+        a = make_prompt_cache(llama, "tq4", rollback_tokens=6, **cfg)
+        b = make_prompt_cache(llama, "tq4", rollback_tokens=6, **cfg)
+        _run(llama, a, tokens, [30, 1, 1])
+        _run(llama, b, tokens, [30, 1, 1])
+        llama(junk[None, :4], cache=a)
+        llama(junk[None, 4:5], cache=a)
+        llama(junk[None, 5:6], cache=a)
+        assert trim_prompt_cache(a, 6) == 6
+        assert a[0].offset == b[0].offset == 32
+        rest = tokens[32:]
+        for ga, gb in zip(_run(llama, a, rest, [1, 4, 1, 20]), _run(llama, b, rest, [1, 4, 1, 20])):
+            np.testing.assert_allclose(np.array(ga), np.array(gb), atol=1e-6, rtol=0)
+
+
+def test_speculative_decoding_with_compressed_caches(llama):
+    tokenizer = lm_helpers.make_tokenizer()
+    draft = build_model("llama", seed=11)
+    prompt = _tokens(20, seed=8).tolist()
+    for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
+        plain = make_prompt_cache(llama, "tq4", **cfg)
+        want = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
+                                                  prompt_cache=plain)]
+        cache = make_prompt_cache(llama, "tq4", **cfg) + make_prompt_cache(draft, "tq4", **cfg)
+        responses = list(stream_generate(llama, tokenizer, prompt, max_tokens=10,
+                                         draft_model=draft, num_draft_tokens=3,
+                                         prompt_cache=cache))
+        got = [r.token for r in responses]
+        ref = reference_caches(llama, 4, 4, **cfg) + reference_caches(draft, 4, 4, **cfg)
+        want_ref = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
+                                                      draft_model=draft, num_draft_tokens=3,
+                                                      prompt_cache=ref)]
+        assert got == want_ref
+        if not cfg:
+            # Without an fp16 window, verification sees exactly what decoding sees.
+            assert got == want
+        assert any(not r.from_draft for r in responses)  # some drafts were rejected
+        assert cache[0].offset == ref[0].offset
+
+
+def test_mlx_lm_generate_with_prompt_cache(llama):
+    from mlx_lm import generate
+
+    tokenizer = lm_helpers.make_tokenizer()
+    cache = make_prompt_cache(llama, "tq4-sink")
+    text = generate(llama, tokenizer, "hello there", max_tokens=8, prompt_cache=cache)
+    assert isinstance(text, str)
+    n = cache[0].offset
+    # Continue from the same cache (multi-turn use).
+    generate(llama, tokenizer, " again", max_tokens=4, prompt_cache=cache)
+    assert cache[0].offset > n
