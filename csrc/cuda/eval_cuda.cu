@@ -160,13 +160,9 @@ T* mptr(mx::array& a) {
   return mx::gpu_ptr<T>(a);
 }
 
-/// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
-/// O(new tokens) path), else a row-contiguous copy.
-void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
-  if (in.flags().row_contiguous && in.is_donatable()) {
-    out.copy_shared_buffer(in);
-    return;
-  }
+/// Gives `out` fresh memory holding a row-contiguous copy of `in` (4- or 2-byte
+/// elements, up to 4 axes).
+void take_buffer_copy(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
   allocate(out, enc);
   TQCopyParams p{};
   int nd = in.ndim();
@@ -188,6 +184,16 @@ void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& en
   enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
 }
 
+/// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
+/// O(new tokens) path), else a row-contiguous copy.
+void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return;
+  }
+  take_buffer_copy(in, out, enc);
+}
+
 /// Attention kernel shape for a runtime head dim (see TQAttnConfig).
 struct AttnShape {
   int DL, RC, STEP;
@@ -202,15 +208,13 @@ AttnShape attn_shape(int d) {
   return s;
 }
 
-/// Whether lanes can load their code words of a cache with 2/4-word vector loads.
-bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
+/// Whether a cache's code rows satisfy the kernel's vector loads: lanes that read 2 or
+/// 4 whole words need every row start 8 / 16-byte aligned.
+bool vector_aligned(const mx::array& codes, int dl, int bits) {
   int nb = dl * bits;
-  if (nb % 32 != 0) {
-    return false;
-  }
   int na = nb / 32;
-  if (na != 2 && na != 4) {
-    return false;
+  if (nb % 32 != 0 || (na != 2 && na != 4)) {
+    return true; // scalar loads
   }
   auto addr = reinterpret_cast<uintptr_t>(mx::gpu_ptr<void>(codes));
   if (addr % (4 * na) != 0) {
@@ -222,6 +226,18 @@ bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
     }
   }
   return codes.strides()[3] == 1;
+}
+
+/// `codes` itself when the kernel can read it, else a row-contiguous copy (a
+/// temporary of this launch).
+mx::array readable_codes(const mx::array& codes, int dl, int bits, mx::cu::CommandEncoder& enc) {
+  if (vector_aligned(codes, dl, bits)) {
+    return codes;
+  }
+  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
+  take_buffer_copy(codes, copy, enc);
+  enc.add_temporary(copy);
+  return copy;
 }
 
 } // namespace
@@ -285,9 +301,7 @@ void attention(
   auto& enc = mx::cu::get_command_encoder(s);
   const auto& ap = prim.params();
   auto& q = inputs[0];
-  auto& kc = inputs[1];
   auto& ks = inputs[2];
-  auto& vc = inputs[3];
   auto& vs = inputs[4];
   auto& kcent = inputs[5];
   auto& vcent = inputs[6];
@@ -295,7 +309,7 @@ void attention(
   auto& lse = outputs[1];
 
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int Hkv = kc.shape(1);
+  const int Hkv = inputs[1].shape(1);
   if (!ck::supported_head_dim(D)) {
     std::ostringstream msg;
     msg << "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
@@ -308,6 +322,8 @@ void attention(
         "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
   }
   AttnShape sh = attn_shape(D);
+  const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, enc);
+  const mx::array vc = readable_codes(inputs[3], sh.DL, ap.value_bits, enc);
 
   allocate(out, enc);
   allocate(lse, enc);
@@ -331,8 +347,6 @@ void attention(
   p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
-  p.vec_k = vector_loads_ok(kc, sh.DL, ap.key_bits) ? 1 : 0;
-  p.vec_v = vector_loads_ok(vc, sh.DL, ap.value_bits) ? 1 : 0;
 
   const unsigned char* mask_ptr = nullptr;
   if (ap.has_mask) {
@@ -352,10 +366,11 @@ void attention(
     mask_ptr = cptr<unsigned char>(m);
   }
 
-  // Split the keys so that the grid fills the GPU several times over (whole waves of
-  // the ~2 resident threadgroups per SM), with at least two steps per split.
+  // Split the keys so that the grid fills the GPU about twice over (2 threadgroups of
+  // ~240 registers per thread fit an SM; measured on an H200: 2-4 per SM beat 8), with
+  // at least two steps per split.
   const int units = B * Hkv * n_chunks;
-  const int target = env_int("TURBOQUANT_ATTN_CTAS", 8 * sm_count(enc.device().cuda_device()));
+  const int target = env_int("TURBOQUANT_ATTN_CTAS", 4 * sm_count(enc.device().cuda_device()));
   int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
   if (splits <= 0) {
     splits = (target + units - 1) / units;
@@ -401,9 +416,13 @@ void attention(
     enc.add_temporary(ml_part);
   }
 
-  for (int i = 0; i < 7; ++i) {
-    enc.set_input_array(inputs[i]);
-  }
+  enc.set_input_array(q);
+  enc.set_input_array(kc);
+  enc.set_input_array(ks);
+  enc.set_input_array(vc);
+  enc.set_input_array(vs);
+  enc.set_input_array(kcent);
+  enc.set_input_array(vcent);
   if (ap.has_mask) {
     enc.set_input_array(inputs[7]);
   }

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
     float* __restrict__ out,
     float* __restrict__ lse,
     const __grid_constant__ TQMergeParams p) {
-  __shared__ float smem[TQ_MAX_SPLITS];
+  __shared__ float smem[TQ_MAX_SPLITS + 8];
   tq_attention_merge_impl<D>(o_part, ml_part, out, lse, p, smem, tq_thread());
 }
 

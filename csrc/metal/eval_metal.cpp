@@ -82,14 +82,13 @@ AttnShape attn_shape(int d) {
   return s;
 }
 
-bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
+/// Whether a cache's code rows satisfy the kernel's vector loads: lanes that read 2 or
+/// 4 whole words need every row start 8 / 16-byte aligned.
+bool vector_aligned(const mx::array& codes, int dl, int bits) {
   int nb = dl * bits;
-  if (nb % 32 != 0) {
-    return false;
-  }
   int na = nb / 32;
-  if (na != 2 && na != 4) {
-    return false;
+  if (nb % 32 != 0 || (na != 2 && na != 4)) {
+    return true; // scalar loads
   }
   if ((codes.offset() / 4) % na != 0) {
     return false;
@@ -102,13 +101,9 @@ bool vector_loads_ok(const mx::array& codes, int dl, int bits) {
   return codes.strides()[3] == 1;
 }
 
-/// Makes `out` hold the cache buffer `in`: its own memory when donatable, else a
-/// row-contiguous copy made by tq_copy_u32 / tq_copy_u16.
-void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, const mx::Stream& s) {
-  if (in.flags().row_contiguous && in.is_donatable()) {
-    out.copy_shared_buffer(in);
-    return;
-  }
+/// Gives `out` fresh memory holding a row-contiguous copy of `in` (4- or 2-byte
+/// elements, up to 4 axes), made by tq_copy_u32 / tq_copy_u16.
+void copy_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, const mx::Stream& s) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   TQCopyParams p{};
   int nd = in.ndim();
@@ -129,6 +124,32 @@ void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
   enc.dispatch_threadgroups(
       MTL::Size((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS, 1, 1),
       MTL::Size(TQ_COPY_THREADS, 1, 1));
+}
+
+/// Makes `out` hold the cache buffer `in`: its own memory when donatable (the
+/// O(new tokens) path), else a row-contiguous copy.
+void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, const mx::Stream& s) {
+  if (in.flags().row_contiguous && in.is_donatable()) {
+    out.copy_shared_buffer(in);
+    return;
+  }
+  copy_buffer(in, out, d, s);
+}
+
+/// `codes` itself when the attention kernel can read it, else a row-contiguous copy.
+mx::array readable_codes(
+    const mx::array& codes,
+    int dl,
+    int bits,
+    mx::metal::Device& d,
+    const mx::Stream& s) {
+  if (vector_aligned(codes, dl, bits)) {
+    return codes;
+  }
+  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
+  copy_buffer(codes, copy, d, s);
+  mx::metal::get_command_encoder(s).add_temporary(copy);
+  return copy;
 }
 
 } // namespace
@@ -201,12 +222,10 @@ void attention(
   auto& d = mx::metal::device(s.device);
   const auto& ap = prim.params();
   auto& q = inputs[0];
-  auto& kc = inputs[1];
-  auto& vc = inputs[3];
   auto& out = outputs[0];
   auto& lse = outputs[1];
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int Hkv = kc.shape(1);
+  const int Hkv = inputs[1].shape(1);
   if (!supported_head_dim(D)) {
     std::ostringstream msg;
     msg << "[turboquant_mlx.compressed_attention] the Metal kernels support head dims that "
@@ -219,6 +238,8 @@ void attention(
         "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
   }
   AttnShape sh = attn_shape(D);
+  const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, d, s);
+  const mx::array vc = readable_codes(inputs[3], sh.DL, ap.value_bits, d, s);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   lse.set_data(mx::allocator::malloc(lse.nbytes()));
 
@@ -241,8 +262,6 @@ void attention(
   p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
-  p.vec_k = vector_loads_ok(kc, sh.DL, ap.key_bits) ? 1 : 0;
-  p.vec_v = vector_loads_ok(vc, sh.DL, ap.value_bits) ? 1 : 0;
   if (ap.has_mask) {
     auto& m = inputs[7];
     for (int a = 0; a < 4; ++a) {
@@ -291,9 +310,13 @@ void attention(
        << ap.value_bits;
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
-  for (int i = 0; i < 7; ++i) {
-    enc.set_input_array(inputs[i], i);
-  }
+  enc.set_input_array(q, 0);
+  enc.set_input_array(kc, 1);
+  enc.set_input_array(inputs[2], 2);
+  enc.set_input_array(vc, 3);
+  enc.set_input_array(inputs[4], 4);
+  enc.set_input_array(inputs[5], 5);
+  enc.set_input_array(inputs[6], 6);
   // Without a mask, slot 7 is bound to the queries and never read.
   enc.set_input_array(ap.has_mask ? inputs[7] : q, 7);
   enc.set_output_array(out, 8);

@@ -1,0 +1,105 @@
+// Argument structs and compile-time shapes shared by the host code (csrc/cuda,
+// csrc/metal) and the kernels (tq_kernels.h). Plain data only: counts are int32,
+// strides are int64 and in elements, int64 fields come first so that Metal and C++
+// lay the structs out identically.
+#pragma once
+
+#if !defined(__METAL_VERSION__)
+#include <stdint.h>
+#endif
+
+/// Threads of an attention threadgroup (4 simdgroups of 32).
+#define TQ_ATTN_SIMDGROUPS 4
+#define TQ_ATTN_THREADS (TQ_ATTN_SIMDGROUPS * 32)
+/// Threads of the split-K merge, quantize, dequantize and copy threadgroups.
+#define TQ_MERGE_THREADS 128
+#define TQ_QUANT_SIMDGROUPS 4
+#define TQ_QUANT_THREADS (TQ_QUANT_SIMDGROUPS * 32)
+#define TQ_DEQUANT_THREADS 256
+#define TQ_COPY_THREADS 256
+/// Most key splits one attention call uses (the merge keeps one weight per split in
+/// threadgroup memory).
+#define TQ_MAX_SPLITS 1024
+
+/// How the attention kernel for head dim D lays out its work.
+///   T  lanes share one token (each holds DL = D/T coordinates of q, k, v and o);
+///   GS = 32/T tokens are read side by side by one simdgroup;
+///   U  tokens per lane group per loop step (loads issued together);
+///   RC query rows (query heads x query positions of one KV head) per threadgroup,
+///      kept in registers: q[RC][DL] and o[RC][DL].
+template <int D>
+struct TQAttnConfig {
+  static constexpr int kPow2 = ((D / 16) & (D / 16 - 1)) == 0 && D / 16 <= 16;
+  static constexpr int T = kPow2 ? D / 16 : 8;
+  static constexpr int DL = D / T;
+  static constexpr int GS = 32 / T;
+  static constexpr int U = 2;
+  static constexpr int RC = 64 / DL > 8 ? 8 : (64 / DL < 1 ? 1 : 64 / DL);
+  static constexpr int STEP = TQ_ATTN_SIMDGROUPS * GS * U; // tokens per threadgroup step
+  // threadgroup floats: 2 codebooks (16 each), per-group (m, l) for RC rows, and one
+  // o[RC][D] per simdgroup for the final reduction.
+  static constexpr int SMEM =
+      32 + 2 * TQ_ATTN_SIMDGROUPS * GS * RC + TQ_ATTN_SIMDGROUPS * RC * D;
+};
+
+/// Attention over the compressed cache, pass 1 (or the only pass when n_splits == 1).
+struct TQAttnParams {
+  int64_t q_stride[3]; // q: batch, head, position (elements; last axis contiguous)
+  int64_t kc_stride[3]; // key codes: batch, head, token (32-bit words)
+  int64_t ks_stride[3]; // key scales: batch, head, token
+  int64_t vc_stride[3]; // value codes
+  int64_t vs_stride[3]; // value scales
+  int64_t mask_stride[4]; // mask: batch, q head, q position, key (0 on broadcast axes)
+  int batch;
+  int q_heads;
+  int kv_heads;
+  int q_len; // L, 1..8
+  int kv_len; // keys 0..kv_len-1 are valid
+  int gqa; // q_heads / kv_heads
+  int rows; // gqa * q_len: query rows served by one KV head
+  int rows_per_tg; // query rows per threadgroup (<= TQAttnConfig<D>::RC)
+  int n_splits; // key splits (grid y); 1 = single pass writing out/lse directly
+  int split_len; // keys per split, a multiple of TQAttnConfig<D>::STEP
+  float scale_log2; // softmax scale * log2(e)
+  int causal; // 1: query i sees keys j <= kv_len - q_len + i
+  int mask_kind; // 0 none, 1 bool (keep where true), 2 float32, 3 float16, 4 bfloat16 (additive)
+};
+// Code rows must allow the kernel's vector loads: when a lane reads 2 or 4 whole words
+// of a token, every (batch, head, token) row start is 8 / 16-byte aligned (the host
+// copies a cache that is not, see tq_vector_aligned in the backends).
+
+/// Split-K merge (pass 2): rows = batch * q_heads * q_len.
+struct TQMergeParams {
+  int rows;
+  int n_splits;
+};
+
+/// Quantize-and-append: x (batch, heads, length, D) float32.
+struct TQQuantParams {
+  int64_t x_stride[3]; // batch, head, position (last axis contiguous)
+  int64_t c_stride[3]; // codes buffer: batch, head, token (words)
+  int64_t s_stride[3]; // scales buffer: batch, head, token
+  int batch;
+  int heads;
+  int length;
+  int offset; // first token slot written
+  int write_codes; // 1: write packed codes, 0: write scales
+};
+
+/// Dequantize tokens [start, start + length) to float32 (batch, heads, length, D).
+struct TQDequantParams {
+  int64_t c_stride[3]; // codes: batch, head, token (words)
+  int64_t s_stride[3]; // scales: batch, head, token
+  int batch;
+  int heads;
+  int start;
+  int length;
+  int head_dim;
+};
+
+/// Strided gather of up to 4 axes into a row-contiguous buffer.
+struct TQCopyParams {
+  int64_t shape[4];
+  int64_t stride[4]; // source strides in elements
+  int64_t size; // total elements
+};

@@ -1,0 +1,55 @@
+// Instantiations of the turboquant_mlx kernels (bodies in tq_kernels.h). Host code
+// (csrc/metal/eval_metal.cpp) builds the same names:
+//   tq_attention_<float32|float16|bfloat16>_d<D>_k<key bits>_v<value bits>
+//   tq_attention_merge_d<D>
+//   tq_quantize_d<D>_b<bits>
+//   tq_dequantize_b<bits>
+//   tq_copy_u32, tq_copy_u16
+// D runs over the head dims the kernels support: multiples of 32 from 32 to 256.
+
+#include "tq_kernels.h"
+
+#define TQ_INSTANTIATE(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+
+// bfloat16 queries travel as their raw bits (ushort), see tq_to_float.
+#define TQ_ATTN_ONE(qname, qtype, d, kb, vb) \
+  TQ_INSTANTIATE(                          \
+      "tq_attention_" #qname "_d" #d "_k" #kb "_v" #vb, tq_attention, qtype, d, kb, vb)
+
+#define TQ_ATTN_V(qname, qtype, d, kb) \
+  TQ_ATTN_ONE(qname, qtype, d, kb, 2)  \
+  TQ_ATTN_ONE(qname, qtype, d, kb, 3)  \
+  TQ_ATTN_ONE(qname, qtype, d, kb, 4)
+
+#define TQ_ATTN_K(qname, qtype, d) \
+  TQ_ATTN_V(qname, qtype, d, 2)    \
+  TQ_ATTN_V(qname, qtype, d, 3)    \
+  TQ_ATTN_V(qname, qtype, d, 4)
+
+#define TQ_ATTN_Q(d)                 \
+  TQ_ATTN_K(float32, float, d)       \
+  TQ_ATTN_K(float16, half, d)        \
+  TQ_ATTN_K(bfloat16, ushort, d)
+
+#define TQ_PER_DIM(d)                                              \
+  TQ_ATTN_Q(d)                                                     \
+  TQ_INSTANTIATE("tq_attention_merge_d" #d, tq_attention_merge, d) \
+  TQ_INSTANTIATE("tq_quantize_d" #d "_b2", tq_quantize, d, 2)      \
+  TQ_INSTANTIATE("tq_quantize_d" #d "_b3", tq_quantize, d, 3)      \
+  TQ_INSTANTIATE("tq_quantize_d" #d "_b4", tq_quantize, d, 4)
+
+TQ_PER_DIM(32)
+TQ_PER_DIM(64)
+TQ_PER_DIM(96)
+TQ_PER_DIM(128)
+TQ_PER_DIM(160)
+TQ_PER_DIM(192)
+TQ_PER_DIM(224)
+TQ_PER_DIM(256)
+
+TQ_INSTANTIATE("tq_dequantize_b2", tq_dequantize, 2)
+TQ_INSTANTIATE("tq_dequantize_b3", tq_dequantize, 3)
+TQ_INSTANTIATE("tq_dequantize_b4", tq_dequantize, 4)
+TQ_INSTANTIATE("tq_copy_u32", tq_copy, uint)
+TQ_INSTANTIATE("tq_copy_u16", tq_copy, ushort)

@@ -1,0 +1,368 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""The GPU kernels (CUDA build here; the Metal build shares their bodies) against the
+CPU backend and the NumPy reference.
+
+Every test runs its op on the GPU stream and is skipped where MLX has no GPU or this
+build has no GPU kernels. Quantization must match the CPU backend bit for bit (same
+inputs, same arithmetic order); attention must match the float64 NumPy reference on the
+dequantized cache to float32 accuracy, over lengths that take the single-pass and the
+split-K paths.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from helpers import (
+    centroids_np,
+    poisoned_cache,
+    random_tokens,
+    reference_cache,
+    to_np,
+)
+from turboquant_mlx import _ext, ops, reference
+
+HAS_GPU_KERNELS = mx.is_available(mx.gpu) and _ext.gpu_available()
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_GPU_KERNELS, reason="no MLX GPU or no GPU kernels in this build"),
+]
+
+HEAD_DIMS = (64, 96, 128, 256)
+BITS = (2, 3, 4)
+BIT_PAIRS = ((2, 2), (3, 3), (4, 4), (4, 2), (3, 4), (2, 4), (4, 3))
+
+
+def gpu():
+    return mx.Device(mx.gpu)
+
+
+def bits_of(a):
+    """Raw bits of an MLX uint32 / float16 array as NumPy, for exact comparison."""
+    a = np.array(a)
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+# ---------------------------------------------------------------------------
+# quantize_append: bit-exact against the CPU backend
+
+
+def quantize_both(words, scales, x, c, offset, bits, keep_inputs=False):
+    """Runs quantize_append on the CPU and on the GPU from the same NumPy inputs."""
+    results = []
+    for device in (mx.Device(mx.cpu), mx.Device(mx.gpu)):
+        codes_in, scales_in = mx.array(words), mx.array(scales)
+        mx.eval(codes_in, scales_in)
+        out = ops.quantize_append(
+            codes_in, scales_in, mx.array(x), mx.array(c), offset, bits, stream=device
+        )
+        if not keep_inputs:
+            del codes_in, scales_in
+        mx.eval(*out)
+        results.append((bits_of(out[0]), bits_of(out[1])))
+    return results
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_quantize_append_bit_exact_vs_cpu(head_dim, bits):
+    rng = np.random.default_rng(100 * head_dim + bits)
+    batch, heads, length, capacity, offset = 2, 3, 37, 50, 5
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    x = random_tokens(rng, (batch, heads, length, head_dim))
+    c = centroids_np(head_dim, bits)
+    (cpu_w, cpu_s), (gpu_w, gpu_s) = quantize_both(words, scales, x, c, offset, bits)
+    np.testing.assert_array_equal(gpu_w, cpu_w)
+    np.testing.assert_array_equal(gpu_s, cpu_s)
+    # Slots outside [offset, offset + length) keep their poison.
+    untouched = np.ones(capacity, bool)
+    untouched[offset : offset + length] = False
+    np.testing.assert_array_equal(gpu_w[:, :, untouched], words[:, :, untouched])
+    np.testing.assert_array_equal(
+        gpu_s[:, :, untouched], scales.view(np.uint16)[:, :, untouched]
+    )
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_append_near_boundaries_bit_exact(bits):
+    # Coordinates placed on and next to decision boundaries: the GPU must take the
+    # same side as the CPU (same float32 arithmetic, same tie rule).
+    head_dim = 128
+    rng = np.random.default_rng(7 + bits)
+    c = centroids_np(head_dim, bits)
+    t = (c[:-1] + c[1:]) * np.float32(0.5)
+    x = rng.standard_normal((1, 2, 64, head_dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=-1, keepdims=True)
+    pick = rng.integers(0, len(t), x.shape)
+    nudge = rng.integers(-2, 3, x.shape).astype(np.float32) * np.float32(1e-7)
+    x = np.where(rng.random(x.shape) < 0.3, t[pick] + nudge, x).astype(np.float32)
+    words, scales = poisoned_cache(rng, 1, 2, 64, head_dim, bits)
+    (cpu_w, cpu_s), (gpu_w, gpu_s) = quantize_both(words, scales, x, c, 0, bits)
+    np.testing.assert_array_equal(gpu_w, cpu_w)
+    np.testing.assert_array_equal(gpu_s, cpu_s)
+
+
+def test_quantize_append_copies_a_referenced_buffer():
+    # With the input buffers still referenced the GPU node must copy, not overwrite.
+    rng = np.random.default_rng(3)
+    head_dim, bits = 96, 3
+    words, scales = poisoned_cache(rng, 1, 2, 20, head_dim, bits)
+    x = random_tokens(rng, (1, 2, 4, head_dim))
+    c = centroids_np(head_dim, bits)
+    codes_in, scales_in = mx.array(words), mx.array(scales)
+    mx.eval(codes_in, scales_in)
+    out = ops.quantize_append(codes_in, scales_in, mx.array(x), mx.array(c), 7, bits, stream=gpu())
+    mx.eval(*out)
+    np.testing.assert_array_equal(np.array(codes_in), words)
+    np.testing.assert_array_equal(bits_of(scales_in), scales.view(np.uint16))
+    (cpu_w, cpu_s), _ = quantize_both(words, scales, x, c, 7, bits)
+    np.testing.assert_array_equal(bits_of(out[0]), cpu_w)
+    np.testing.assert_array_equal(bits_of(out[1]), cpu_s)
+
+
+# ---------------------------------------------------------------------------
+# dequantize: exact against the CPU backend
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_dequantize_matches_cpu(head_dim, bits):
+    rng = np.random.default_rng(head_dim + 10 * bits)
+    words, scales, _ = reference_cache(rng, 2, 3, 40, 33, head_dim, bits)
+    c = mx.array(centroids_np(head_dim, bits))
+    got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=gpu())
+    want = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=mx.Device(mx.cpu))
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+# ---------------------------------------------------------------------------
+# attention: against the float64 reference on the dequantized cache
+
+
+def make_mask(kind, rng, batch, q_heads, q_len, kv_len):
+    if kind is None:
+        return None
+    family, shape = kind
+    shapes = {
+        "kv": (kv_len,),
+        "L,kv": (q_len, kv_len),
+        "B,1,1,kv": (batch, 1, 1, kv_len),
+        "1,Hq,L,1": (1, q_heads, q_len, 1),
+        "B,Hq,L,kv": (batch, q_heads, q_len, kv_len),
+    }[shape]
+    if family == "bool":
+        keep = rng.random(shapes) < 0.7
+        return mx.array(keep)
+    add = (2.0 * rng.standard_normal(shapes)).astype(np.float32)
+    add[rng.random(shapes) < 0.2] = -np.inf
+    m = mx.array(add)
+    return m.astype(mx.float16) if family == "float16" else m
+
+
+def run_attention(
+    rng,
+    *,
+    batch=1,
+    kv_heads=2,
+    group=4,
+    q_len=1,
+    kv_len=17,
+    head_dim=128,
+    key_bits=4,
+    value_bits=4,
+    causal=True,
+    mask=None,
+    q_dtype=mx.float32,
+    capacity=None,
+):
+    capacity = capacity or kv_len + 3
+    q_heads = kv_heads * group
+    k_words, k_scales, k_hat = reference_cache(
+        rng, batch, kv_heads, capacity, kv_len, head_dim, key_bits
+    )
+    v_words, v_scales, v_hat = reference_cache(
+        rng, batch, kv_heads, capacity, kv_len, head_dim, value_bits
+    )
+    q = mx.array(2.0 * rng.standard_normal((batch, q_heads, q_len, head_dim))).astype(q_dtype)
+    m = make_mask(mask, rng, batch, q_heads, q_len, kv_len)
+    scale = 1.0 / math.sqrt(head_dim)
+    out, lse = ops.compressed_attention(
+        q,
+        mx.array(k_words),
+        mx.array(k_scales),
+        mx.array(v_words),
+        mx.array(v_scales),
+        mx.array(centroids_np(head_dim, key_bits)),
+        mx.array(centroids_np(head_dim, value_bits)),
+        kv_len,
+        scale,
+        key_bits,
+        value_bits,
+        causal,
+        m,
+        stream=gpu(),
+    )
+    mx.eval(out, lse)
+    ref_out, ref_lse = reference.attention(
+        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m)
+    )
+    return np.array(out), np.array(lse), ref_out, ref_lse, v_hat
+
+
+def assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-5):
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    hidden = ref_lse == -np.inf
+    np.testing.assert_array_equal(lse == -np.inf, hidden)
+    assert (out[hidden] == 0).all()
+    v_size = max(float(np.abs(v_hat).max()), 1e-30)
+    err = np.abs(out - ref_out).max() / v_size
+    assert err <= rtol, f"out: max error {err:.3g} of max |v|"
+    lse_err = np.abs(lse[~hidden] - ref_lse[~hidden]) / np.maximum(1.0, np.abs(ref_lse[~hidden]))
+    assert lse_err.size == 0 or lse_err.max() <= rtol, f"lse: error {lse_err.max():.3g}"
+
+
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize("kv_len", (1, 17, 127, 4097, 70000))
+def test_attention_lengths_and_gqa(kv_len, group):
+    rng = np.random.default_rng(kv_len + group)
+    for q_len in sorted({1, min(kv_len, 3), min(kv_len, 8)}):
+        result = run_attention(
+            rng, kv_len=kv_len, group=group, q_len=q_len, kv_heads=2 if kv_len > 5000 else 3
+        )
+        assert_attention_close(*result, rtol=2e-5 if kv_len > 5000 else 1e-5)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("key_bits,value_bits", BIT_PAIRS)
+def test_attention_bit_widths_and_head_dims(key_bits, value_bits, head_dim):
+    case = BIT_PAIRS.index((key_bits, value_bits)) * len(HEAD_DIMS) + HEAD_DIMS.index(head_dim)
+    rng = np.random.default_rng(case)
+    for kv_len in (127, 3000):
+        result = run_attention(
+            rng,
+            batch=2,
+            group=(1, 4, 8)[case % 3],
+            q_len=1 + case % 8,
+            kv_len=kv_len,
+            head_dim=head_dim,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            causal=case % 2 == 0,
+        )
+        assert_attention_close(*result)
+
+
+@pytest.mark.parametrize("q_len", range(1, 9))
+def test_attention_causal_q_len(q_len):
+    rng = np.random.default_rng(50 + q_len)
+    for kv_len in (q_len, 33, 2049):
+        if kv_len < q_len:
+            continue
+        assert_attention_close(*run_attention(rng, q_len=q_len, kv_len=kv_len, group=4))
+
+
+MASKS = (
+    ("bool", "kv"),
+    ("bool", "L,kv"),
+    ("bool", "B,Hq,L,kv"),
+    ("float32", "B,1,1,kv"),
+    ("float32", "1,Hq,L,1"),
+    ("float32", "B,Hq,L,kv"),
+    ("float16", "L,kv"),
+)
+
+
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
+def test_attention_masks(mask, causal):
+    rng = np.random.default_rng(hash(mask) % 1000 + causal)
+    for kv_len in (40, 3001):
+        result = run_attention(
+            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=causal, head_dim=64
+        )
+        assert_attention_close(*result)
+
+
+def test_attention_fully_masked_rows():
+    rng = np.random.default_rng(9)
+    batch, kv_heads, group, q_len, kv_len, head_dim = 2, 2, 4, 3, 2500, 64
+    q_heads = kv_heads * group
+    keep = rng.random((batch, q_heads, q_len, kv_len)) < 0.5
+    keep[0, 1, :] = False
+    keep[1, 5, 2] = False
+    keep[1, 6, 1] = False
+    keep[1, 6, 1, -2:] = True  # only the last keys: most splits see nothing
+    k_words, k_scales, k_hat = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 4)
+    v_words, v_scales, v_hat = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 3)
+    q = mx.array(rng.standard_normal((batch, q_heads, q_len, head_dim)).astype(np.float32))
+    out, lse = ops.compressed_attention(
+        q,
+        mx.array(k_words),
+        mx.array(k_scales),
+        mx.array(v_words),
+        mx.array(v_scales),
+        mx.array(centroids_np(head_dim, 4)),
+        mx.array(centroids_np(head_dim, 3)),
+        kv_len,
+        0.125,
+        4,
+        3,
+        False,
+        mx.array(keep),
+        stream=gpu(),
+    )
+    ref_out, ref_lse = reference.attention(np.array(q), k_hat, v_hat, 0.125, kv_len, False, keep)
+    assert (ref_lse == -np.inf).any()
+    assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
+
+
+@pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
+def test_attention_query_dtypes(q_dtype):
+    rng = np.random.default_rng(11)
+    for kv_len in (50, 5000):
+        result = run_attention(rng, q_len=4, kv_len=kv_len, q_dtype=q_dtype, group=8)
+        assert_attention_close(*result)
+
+
+@pytest.mark.parametrize("splits", ("1", "3", "64"))
+def test_attention_forced_split_counts(monkeypatch, splits):
+    # The split count is a tuning choice; every choice must give the same result.
+    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    rng = np.random.default_rng(int(splits))
+    for kv_len in (1, 130, 9000):
+        q_len = min(kv_len, 2)
+        assert_attention_close(*run_attention(rng, kv_len=kv_len, q_len=q_len, group=4))
+
+
+def test_attention_matches_cpu_op():
+    # Same inputs through the CPU kernel and the GPU kernel.
+    rng = np.random.default_rng(5)
+    batch, kv_heads, group, q_len, kv_len, head_dim = 1, 2, 4, 2, 3333, 128
+    k_words, k_scales, _ = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 3)
+    v_words, v_scales, _ = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 4)
+    q = rng.standard_normal((batch, kv_heads * group, q_len, head_dim)).astype(np.float32)
+    results = []
+    for device in (mx.Device(mx.cpu), mx.Device(mx.gpu)):
+        out, lse = ops.compressed_attention(
+            mx.array(q),
+            mx.array(k_words),
+            mx.array(k_scales),
+            mx.array(v_words),
+            mx.array(v_scales),
+            mx.array(centroids_np(head_dim, 3)),
+            mx.array(centroids_np(head_dim, 4)),
+            kv_len,
+            0.09,
+            3,
+            4,
+            True,
+            stream=device,
+        )
+        results.append((np.array(out), np.array(lse)))
+    (co, cl), (go, gl) = results
+    np.testing.assert_allclose(go, co, rtol=0, atol=1e-5 * np.abs(co).max())
+    np.testing.assert_allclose(gl, cl, rtol=1e-5)
