@@ -20,7 +20,7 @@ Times: "eval" is the median wall time of one call evaluated on its own (what one
 decode step of one layer costs, launch and synchronisation included); "stream" is
 the time per call when 16 calls are queued before one evaluation (closer to the GPU
 time). Inputs rotate among several buffers so that short contexts are not served
-from L2. Usage: python bench/bench_gpu.py [--quick] [--lengths 4096,32768]
+from L2. Usage: python bench/bench_gpu.py [--quick] [--lengths 4096,32768] [--reps 30 --rounds 5]
 """
 
 import argparse
@@ -36,6 +36,8 @@ from turboquant_mlx import _ext, codebook, ops
 from turboquant_mlx.rotation import Rotation
 
 L2_BYTES = 60 * 2**20  # H200; rotating among enough buffers to exceed it 3x
+REPS = 30  # timed calls evaluated alone (--reps)
+ROUNDS = 5  # rounds of 16 queued calls (--rounds)
 
 
 def wall(fn, reps):
@@ -48,10 +50,10 @@ def wall(fn, reps):
     return statistics.median(ts)
 
 
-def streamed(fns, n=16, rounds=5):
+def streamed(fns, n=16, rounds=None):
     """Seconds per call when n calls are queued before one evaluation."""
     ts = []
-    for _ in range(rounds):
+    for _ in range(rounds or ROUNDS):
         t0 = time.perf_counter()
         outs = [fns[i % len(fns)]() for i in range(n)]
         mx.eval(outs)
@@ -59,12 +61,12 @@ def streamed(fns, n=16, rounds=5):
     return statistics.median(ts)
 
 
-def measure(fns, reps=30):
+def measure(fns, reps=None):
     for f in fns[:3]:  # warm-up: kernel load, graph capture, buffer cache
         mx.eval(f())
     mx.eval([f() for f in fns])
     cycle = iter(range(10**9))
-    t_eval = wall(lambda: fns[next(cycle) % len(fns)](), reps)
+    t_eval = wall(lambda: fns[next(cycle) % len(fns)](), reps or REPS)
     t_stream = streamed(fns)
     return t_eval, t_stream
 
@@ -207,11 +209,15 @@ def bench_affine(b, hq, hkv, d, n, bits=4, group_size=64):
 
 
 def main():
+    global REPS, ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072,262144")
     parser.add_argument("--quick", action="store_true", help="D=128 shapes only")
     parser.add_argument("--no-affine", action="store_true")
+    parser.add_argument("--reps", type=int, default=REPS, help="calls timed alone (median)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of 16 queued calls")
     args = parser.parse_args()
+    REPS, ROUNDS = args.reps, args.rounds
     lengths = [int(x) for x in args.lengths.split(",")]
     mx.set_default_device(mx.gpu)
     print(f"mlx {mx.__version__}, device {mx.default_device()}, turboquant backend "

@@ -2,15 +2,29 @@
 # Builds the CUDA extension on a lent NVIDIA machine and runs the GPU tests and the
 # GPU benchmark there, writing logs to $OUT. Needs MLX's CUDA wheel carried in two
 # halves (run `bash ../shared/tools/mlx-cuda-carry.sh` from the repository root first)
-# and nanobind 3.1.0 as a wheel in .whl/. Two calls, back to back:
+# and, as wheels in .whl/, nanobind 3.1.0 and (for `suite` and `decode`) mlx-lm
+# (`python3 -m pip download --no-deps --only-binary=:all: -d .whl mlx-lm==0.32.2`).
+# Two calls, back to back:
 #   1) carry [".carry/mlx-a"]           bash tools/h200_run.sh stage
 #   2) carry [".carry/mlx-b", ".whl"]   bash tools/h200_run.sh all   (or: build, test, bench)
 # Steps after `stage` can be combined: `bash tools/h200_run.sh build test bench`.
+# `validate` = build, test (tests/test_gpu.py), suite (the whole suite with
+# `--device gpu`), decode (bench/bench_decode.py), bench (bench/bench_gpu.py) and a
+# summary, within TQ_DEADLINE seconds (default 560) of its start: each step's timeout is
+# cut to what is left, and a step with under 20 s left is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tq_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + ${TQ_DEADLINE:-100000}))
+
+# budget CAP: seconds a step may take, CAP cut to what is left before DEADLINE.
+budget() {
+  local left=$((DEADLINE - SECONDS - 5))
+  [ "$left" -lt 1 ] && left=1
+  if [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
+}
 
 step_stage() {
   mkdir -p /opt/mlx-carry && cp .carry/mlx-a/part-00 /opt/mlx-carry/
@@ -53,17 +67,64 @@ step_build() {
   python3 -c 'import mlx.core as mx, turboquant_mlx._ext as e; print("gpu kernels:", e.gpu_backend(), e.gpu_available(), mx.default_device())'
 }
 
+# run_step NAME CAP CMD...: runs CMD with stdout+stderr in $OUT/NAME.log, interrupted
+# (SIGINT, so pytest still prints its summary) after `budget CAP` seconds.
+run_step() {
+  local name=$1 t0=$SECONDS b
+  b=$(budget "$2")
+  shift 2
+  if [ "$b" -lt 20 ]; then
+    echo "$name: skipped, ${b} s left before the deadline" | tee "$OUT/$name.log"
+    return 0
+  fi
+  echo "== $name (timeout $b s): $*"
+  timeout -s INT -k 15 "$b" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+}
+
 step_test() {
   local t0=$SECONDS
-  (cd tests && timeout "${TQ_TEST_TIMEOUT:-300}" python3 -m pytest -q -ra -p no:cacheprovider \
-    test_gpu.py ${TQ_TEST_ARGS:-}) 2>&1 | tee "$OUT/test.log" | tail -40
+  (cd tests && timeout -s INT -k 15 "$(budget "${TQ_TEST_TIMEOUT:-300}")" python3 -m pytest -q -ra \
+    -p no:cacheprovider test_gpu.py ${TQ_TEST_ARGS:-}) 2>&1 | tee "$OUT/test.log" | tail -40
   echo "tests done in $((SECONDS - t0)) s"
+}
+
+# The whole suite (but test_gpu.py, which `test` runs) with MLX's default device the GPU.
+# With pytest-xdist (in the machine's image) it runs in 8 worker processes, so that a
+# test that crashes its process is reported and the rest still run (TQ_SUITE_XDIST=0: off).
+step_suite() {
+  local per_test=()
+  python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 120)
+  if [ "${TQ_SUITE_XDIST:-1}" != 0 ] && python3 -c 'import xdist' 2>/dev/null; then
+    per_test+=(-n 8 --max-worker-restart 200 --tb=short)
+  fi
+  (cd tests && run_step suite "${TQ_SUITE_TIMEOUT:-240}" python3 -m pytest -v -ra \
+    -p no:cacheprovider --device gpu "${per_test[@]}" \
+    test_ops.py test_cache.py test_integration.py test_reference.py test_codebook.py \
+    test_generate_cli.py test_gguf.py ${TQ_SUITE_ARGS:-})
+  grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/suite.log" | tail -40
+}
+
+step_decode() {
+  run_step decode "${TQ_DECODE_TIMEOUT:-240}" python3 bench/bench_decode.py ${TQ_DECODE_ARGS:-}
+  sed -n '/^### Decode/,$p' "$OUT/decode.log"
+  grep -E "Error|error" "$OUT/decode.log" | head -20
 }
 
 step_bench() {
   local t0=$SECONDS
-  timeout "${TQ_BENCH_TIMEOUT:-300}" python3 bench/bench_gpu.py ${TQ_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout -s INT -k 15 "$(budget "${TQ_BENCH_TIMEOUT:-300}")" python3 bench/bench_gpu.py \
+    ${TQ_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench done in $((SECONDS - t0)) s"
+}
+
+step_summary() {
+  echo "===== summary"
+  for f in test suite; do
+    [ -f "$OUT/$f.log" ] && { echo "-- $f:"; grep -E "(passed|failed|skipped|error).* in [0-9.]+s|rc=" "$OUT/$f.log" | tail -2; }
+  done
+  [ -f "$OUT/decode.log" ] && sed -n '/^### Decode/,$p' "$OUT/decode.log"
 }
 
 if [ $# -eq 0 ]; then
@@ -73,9 +134,15 @@ for step in "$@"; do
   case "$step" in
     stage) step_stage ;;
     all) setup_env && step_build && { step_test; step_bench; } ;;
+    validate)
+      DEADLINE=$((SECONDS + ${TQ_DEADLINE:-560}))
+      setup_env && step_build && { step_test; step_suite; step_decode; step_bench; step_summary; } ;;
     build) setup_env && step_build ;;
     test) export PYTHONPATH=/tmp/site; step_test ;;
     bench) export PYTHONPATH=/tmp/site; step_bench ;;
+    suite) export PYTHONPATH=/tmp/site; step_suite ;;
+    decode) export PYTHONPATH=/tmp/site; step_decode ;;
+    summary) step_summary ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
