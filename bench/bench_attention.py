@@ -82,10 +82,14 @@ def bench_attention(args, device):
             row["fp32 SDPA"] = (t32, 2 * k32.nbytes)
             del k32, v32
         if args.affine:
-            kq = mx.quantize(k16, group_size=64, bits=4)
-            vq = mx.quantize(v16, group_size=64, bits=4)
-            mx.eval(kq, vq)
-            ta = timeit(lambda: affine_attention(q, kq, vq, scale))
+            # On the CPU, mlx-lm models run in float32 (quantized matmuls with float16
+            # activations are tens of times slower there), so the affine baseline does too.
+            adt = mx.float32 if device == "CPU" else mx.float16
+            qa = q.astype(adt)
+            kq = mx.quantize(k16.astype(adt), group_size=64, bits=4)
+            vq = mx.quantize(v16.astype(adt), group_size=64, bits=4)
+            mx.eval(qa, kq, vq)
+            ta = timeit(lambda: affine_attention(qa, kq, vq, scale))
             row["affine4 g64"] = (ta, sum(t.nbytes for t in kq + vq))
             del kq, vq
         del k16, v16
