@@ -11,8 +11,17 @@ positions, and for the
 rest the NumPy reference codec's reconstruction ``R^T (scale * c[code])`` of the
 token (rotation in float64 from ``Rotation.matrix()``). It shares no code with
 the cache or the ops besides the rotation's definition and the codebook.
+
+With the levers (``center``, ``query_aware_keys``) the reference re-implements, in
+float64 NumPy, their calibration rule (docs/ARCHITECTURE.md: every non-sink token held
+unquantized until the first attention call that finds ``calibration_tokens`` of them,
+query energies of the positions ``>= fp16_sink_tokens`` accumulated until then) and
+reconstructs a quantized token as ``R^T(codec(R a (x - mu))) / a + mu``. Its queries
+come through :meth:`DequantizedReferenceCache.attend`; inside a model, use
+:func:`route_reference_attention` so that mlx-lm's attention reaches it.
 """
 
+import contextlib
 import importlib
 import json
 import os
@@ -114,40 +123,134 @@ def save_model_dir(model, config_name, path, **overrides):
     make_tokenizer().save_pretrained(path)
 
 
+def reference_key_scale(q_energy, k_energy, pairing="half", rope_dims=0, limit=8.0):
+    """NumPy (float64) key scale ``a`` from mean query / key channel energies ``(..., D)``."""
+    def pair_mean(e):
+        e = np.array(e, dtype=np.float64)
+        out = e.copy()
+        D = e.shape[-1]
+        d = min(rope_dims or D, D)
+        h = d // 2
+        for i in range(h):
+            j, k = (i, i + h) if pairing == "half" else (2 * i, 2 * i + 1)
+            if pairing == "none":
+                break
+            out[..., j] = out[..., k] = 0.5 * (e[..., j] + e[..., k])
+        return out
+
+    sq, sk = pair_mean(q_energy), pair_mean(k_energy)
+    sq = sq + 1e-3 * sq.mean(-1, keepdims=True) + 1e-30
+    sk = sk + 1e-3 * sk.mean(-1, keepdims=True) + 1e-30
+    r = np.sqrt(sq / sk)
+    a2 = np.clip(r / r.mean(-1, keepdims=True), 1 / limit**2, limit**2)
+    return np.sqrt(a2)
+
+
 class DequantizedReferenceCache(_BaseCache):
     """Uncompressed cache showing attention what a TurboQuant cache must show (see doc)."""
 
-    def __init__(self, key_bits, value_bits, seed, fp16_sink_tokens=0, fp16_recent_tokens=0):
+    def __init__(self, key_bits, value_bits, seed, fp16_sink_tokens=0, fp16_recent_tokens=0,
+                 center=False, query_aware_keys=False, rope_pairing="half", rope_dims=0,
+                 calibration_tokens=32):
         self.key_bits, self.value_bits = key_bits, value_bits
         self.seed = seed
         self.sinks, self.recent = fp16_sink_tokens, fp16_recent_tokens
+        self.center, self.query_aware_keys = center, query_aware_keys
+        self.rope_pairing, self.rope_dims = rope_pairing, rope_dims
+        self.calibration_tokens = calibration_tokens
+        self.calibrated = not (center or query_aware_keys)
+        self.mu_k = self.mu_v = self.a = None  # float64, (B, H, 1, D)
+        self.q_energy, self.q_count = None, 0
         self.offset = 0
-        self.k = self.v = self.k_hat = self.v_hat = None
+        self.k = self.v = None
 
-    def _reconstruct(self, x, bits):
+    def _reconstruct(self, x, bits, mu=None, a=None):
         D = x.shape[-1]
         R = Rotation(D, self.seed).matrix()
         c = codebook.lloyd_max_centroids(D, bits).astype(np.float32)
+        x = np.asarray(x, np.float64)
+        if mu is not None:
+            x = x - mu
+        if a is not None:
+            x = x * a
         y = reference.rotate(x, R).astype(np.float32)
         codes, scales = reference.quantize(y, c, bits)
-        return reference.unrotate(reference.dequantize(codes, scales, c), R).astype(np.float32)
+        out = reference.unrotate(reference.dequantize(codes, scales, c), R)
+        if a is not None:
+            out = out / a
+        if mu is not None:
+            out = out + mu
+        return out.astype(np.float32)
+
+    @property
+    def k_hat(self):
+        return self._reconstruct(self.k, self.key_bits, self.mu_k, self.a)
+
+    @property
+    def v_hat(self):
+        return self._reconstruct(self.v, self.value_bits, self.mu_v)
+
+    def _held(self):
+        return max(0, self.offset - self.sinks)
+
+    def calibrate(self):
+        if self._held():
+            k = self.k[:, :, self.sinks :].astype(np.float64)
+            if self.center:
+                self.mu_k = k.mean(axis=2, keepdims=True)
+                self.mu_v = self.v[:, :, self.sinks :].astype(np.float64).mean(axis=2, keepdims=True)
+                k = k - self.mu_k
+            if self.query_aware_keys and self.q_count:
+                self.a = reference_key_scale(
+                    self.q_energy / self.q_count, (k * k).mean(axis=2), self.rope_pairing,
+                    self.rope_dims,
+                )[:, :, None, :]
+        self.calibrated = True
 
     def update_and_fetch(self, keys, values):
+        if not self.calibrated and self._held() >= self.calibration_tokens:
+            self.calibrate()
         # The cache stores (and quantizes) tokens rounded to its 16-bit window dtype.
         half = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
         k = np.array(keys.astype(half).astype(mx.float32))
         v = np.array(values.astype(half).astype(mx.float32))
-        kh, vh = self._reconstruct(k, self.key_bits), self._reconstruct(v, self.value_bits)
         cat = lambda a, b: b if a is None else np.concatenate([a, b], axis=2)
         self.k, self.v = cat(self.k, k), cat(self.v, v)
-        self.k_hat, self.v_hat = cat(self.k_hat, kh), cat(self.v_hat, vh)
         self.offset += keys.shape[2]
+        self._dtype = keys.dtype
+        return self.fetch()
+
+    def fetch(self):
+        """Keys and values as the compressed cache must show them now."""
         pos = np.arange(self.offset)
-        exact = (pos < self.sinks) | (pos >= max(self.sinks, self.offset - self.recent))
+        if self.calibrated:
+            exact = (pos < self.sinks) | (pos >= max(self.sinks, self.offset - self.recent))
+        else:
+            exact = np.ones(self.offset, dtype=bool)
         sel = exact[None, None, :, None]
-        K = np.where(sel, self.k, self.k_hat)
-        V = np.where(sel, self.v, self.v_hat)
-        return mx.array(K).astype(keys.dtype), mx.array(V).astype(values.dtype)
+        K = np.where(sel, self.k, self.k_hat) if not exact.all() else self.k
+        V = np.where(sel, self.v, self.v_hat) if not exact.all() else self.v
+        return mx.array(K).astype(self._dtype), mx.array(V).astype(self._dtype)
+
+    def attend(self, queries, scale, mask=None, sinks=None):
+        """What the compressed cache's ``attention`` must return for these queries."""
+        if not self.calibrated:
+            if self.query_aware_keys:
+                B, n_q, L, D = queries.shape
+                H = self.k.shape[1]
+                first = self.offset - L
+                keep = np.arange(first, first + L) >= self.sinks
+                q = np.array(queries.astype(mx.float32), dtype=np.float64)[:, :, keep]
+                if q.shape[2]:
+                    e = (q.reshape(B, H, n_q // H, -1, D) ** 2).sum(axis=(2, 3))
+                    self.q_energy = e if self.q_energy is None else self.q_energy + e
+                    self.q_count += (n_q // H) * q.shape[2]
+            if self._held() >= self.calibration_tokens:
+                self.calibrate()
+        K, V = self.fetch()
+        return mx.fast.scaled_dot_product_attention(
+            queries, K, V, scale=scale, mask=mask, sinks=sinks
+        )
 
     def make_mask(self, N, return_array=False, window_size=None):
         return create_attention_mask(
@@ -164,7 +267,7 @@ class DequantizedReferenceCache(_BaseCache):
     def trim(self, n):
         n = min(n, self.offset)
         self.offset -= n
-        for name in ("k", "v", "k_hat", "v_hat"):
+        for name in ("k", "v"):
             setattr(self, name, getattr(self, name)[:, :, : self.offset])
         return n
 
@@ -177,14 +280,51 @@ class DequantizedReferenceCache(_BaseCache):
 
 
 def reference_caches(model, key_bits, value_bits, seed=0, fp16_sink_tokens=0,
-                     fp16_recent_tokens=0, fp16_layers=()):
-    """Reference caches for every layer of a plain (all full-attention) model."""
+                     fp16_recent_tokens=0, fp16_layers=(), **levers):
+    """Reference caches for every layer of a plain (all full-attention) model.
+
+    ``levers``: ``center``, ``query_aware_keys``, ``rope_pairing``, ``rope_dims``,
+    ``calibration_tokens`` (then run the model inside :func:`route_reference_attention`).
+    """
     return [
         KVCache() if i in fp16_layers else DequantizedReferenceCache(
-            key_bits, value_bits, layer_seed(seed, i), fp16_sink_tokens, fp16_recent_tokens
+            key_bits, value_bits, layer_seed(seed, i), fp16_sink_tokens, fp16_recent_tokens,
+            **levers,
         )
         for i in range(len(model.layers))
     ]
+
+
+def preset_kwargs(preset, **overrides):
+    """The reference-cache arguments of a preset's layout and levers (``overrides`` win)."""
+    from turboquant_mlx.cache import get_preset
+
+    p = get_preset(preset)
+    kw = dict(fp16_sink_tokens=p.fp16_sink_tokens, fp16_recent_tokens=p.fp16_recent_tokens,
+              center=p.center, query_aware_keys=p.query_aware_keys)
+    kw.update(overrides)
+    return kw
+
+
+@contextlib.contextmanager
+def route_reference_attention():
+    """Within the block, mlx-lm's attention on a DequantizedReferenceCache calls its
+    ``attend`` (which sees the queries, as the compressed cache's calibration does)."""
+    from turboquant_mlx import attention as tq_attention
+
+    tq_attention.install_hook()
+    original = tq_attention._original
+
+    def route(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, DequantizedReferenceCache):
+            return cache.attend(queries, scale, mask, sinks)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    tq_attention._original = route
+    try:
+        yield
+    finally:
+        tq_attention._original = original
 
 
 class ShadowCache(TurboQuantKVCache):
@@ -200,12 +340,13 @@ class ShadowCache(TurboQuantKVCache):
         super().__init__(*args, **kwargs)
         self.reference = DequantizedReferenceCache(
             self.key_bits, self.value_bits, self.seed, self.fp16_sink_tokens,
-            self.fp16_recent_tokens,
+            self.fp16_recent_tokens, self.center, self.query_aware_keys, self.rope_pairing,
+            self.rope_dims, self.calibration_tokens,
         )
         self.diffs = []
 
     def update_and_fetch(self, keys, values):
-        self._ref_kv = self.reference.update_and_fetch(keys, values)
+        self.reference.update_and_fetch(keys, values)
         return super().update_and_fetch(keys, values)
 
     def trim(self, n):
@@ -214,15 +355,15 @@ class ShadowCache(TurboQuantKVCache):
 
     def attention(self, queries, scale, mask=None, sinks=None):
         out = super().attention(queries, scale, mask, sinks)
-        K, V = self._ref_kv
-        want = mx.fast.scaled_dot_product_attention(
-            queries, K, V, scale=scale, mask=mask, sinks=sinks
-        )
+        want = self.reference.attend(queries, scale, mask, sinks)
         self.diffs.append((queries.shape[2], float(mx.abs(out - want).max())))
         return out
 
 
 def shadow_caches(model, seed=0, fp16_layers=(), **cfg):
+    from turboquant_mlx.attention import install_hook
+
+    install_hook()
     return [
         KVCache() if i in fp16_layers else ShadowCache(seed=layer_seed(seed, i), **cfg)
         for i in range(len(model.layers))

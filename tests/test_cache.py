@@ -38,28 +38,71 @@ def _rand(rng, shape, dtype=mx.float32):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
-def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, **cfg):
+_LEVER_KEYS = ("center", "query_aware_keys", "rope_pairing", "rope_dims", "calibration_tokens")
+
+
+def _has_levers(cfg):
+    return cfg.get("center", False) or cfg.get("query_aware_keys", False)
+
+
+def _biased(rng, shape, dtype=mx.float32, seed_shape=None):
+    """Random vectors with a large common mean and unequal channel scales (what the
+    levers act on): mean and scales per (B, H) head, drawn from ``seed_shape``'s rng."""
+    B, H, n, D = shape
+    mean = np.random.default_rng(1234).standard_normal((1, H, 1, D)) * 3.0
+    chan = np.exp(np.random.default_rng(4321).standard_normal((1, H, 1, D)))
+    x = mean + chan * rng.standard_normal(shape)
+    return mx.array(x.astype(np.float32)).astype(dtype)
+
+
+def _queries(rng, shape, dtype=mx.float32):
+    """Random queries with a small mean and unequal channel scales (not the keys')."""
+    chan = np.exp(np.random.default_rng(999).standard_normal((1, 1, 1, shape[-1])))
+    x = 0.3 + chan * rng.standard_normal(shape)
+    return mx.array(x.astype(np.float32)).astype(dtype)
+
+
+def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
     """A TurboQuant cache fed random chunks, and what attention must see.
 
     Returns ``(cache, K, V)``: K/V are the cache's contents in position order as
     reconstructed by ``cache.dequantized_keys_values`` after they are checked against
     the NumPy reference codec (test_contents_match_reference_codec), so the attention
     tests compare against mlx's attention on identical inputs.
+
+    With a lever (``center``/``query_aware_keys``) the tokens have a large mean and
+    unequal channel scales, and by default (``attend``) every chunk is followed by a
+    causal attention call of as many random queries, as in a model (the calibration
+    sees them); after each call the contents are checked against the reference (which
+    saw the same queries) and the call's output against mlx's attention on them.
     """
     cfg.setdefault("key_bits", 4)
     cfg.setdefault("value_bits", 4)
     cfg.setdefault("seed", 9)
     budget = cfg.pop("prefill_budget_bytes", None)
+    levers = _has_levers(cfg)
+    attend = levers if attend is None else attend
     cache = TurboQuantKVCache(prefill_budget_bytes=budget, **cfg)
     ref = DequantizedReferenceCache(
         cfg["key_bits"], cfg["value_bits"], cfg["seed"],
         cfg.get("fp16_sink_tokens", 0), cfg.get("fp16_recent_tokens", 0),
+        **{k: cfg[k] for k in _LEVER_KEYS if k in cfg},
     )
+    make = _biased if levers else _rand
     for n in chunks:
-        k = _rand(rng, (B, H, n, D), dtype)
-        v = _rand(rng, (B, H, n, D), dtype)
+        k = make(rng, (B, H, n, D), dtype)
+        v = make(rng, (B, H, n, D), dtype)
         cache.update_and_fetch(k, v)
         ref.update_and_fetch(k, v)
+        if attend:
+            q = _queries(rng, (B, 2 * H, n, D), dtype) if levers else _rand(rng, (B, 2 * H, n, D), dtype)
+            got = np.array(cache.attention(q, 0.1, "causal").astype(mx.float32))
+            ref.attend(q, 0.1, "causal")
+            _check_contents(cache, ref)
+            Kc, Vc = cache.dequantized_keys_values(mx.float32)
+            want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
+            tol = (TOL if dtype == mx.float32 else 2e-2) * _magnitude(want)
+            np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"chunk of {n}")
     _check_contents(cache, ref)
     K, V = cache.dequantized_keys_values(mx.float32)
     return cache, K, V
@@ -76,6 +119,19 @@ def _check_contents(cache, ref):
     K, V = cache.dequantized_keys_values(mx.float32)
     pos = np.arange(cache.offset)
     exact = (pos < ref.sinks) | (pos >= max(ref.sinks, cache.offset - ref.recent))
+    assert cache.calibrated == ref.calibrated
+    if not ref.calibrated:
+        exact[:] = True
+    # The levers' statistics: float32 in the cache, float64 in the reference.
+    for got, want in ((cache.key_mean, ref.mu_k), (cache.value_mean, ref.mu_v),
+                      (cache.key_scale, ref.a)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+    if exact.all():
+        np.testing.assert_array_equal(np.array(K), ref.k)
+        np.testing.assert_array_equal(np.array(V), ref.v)
+        return
     for got, raw, want in ((K, ref.k, ref.k_hat), (V, ref.v, ref.v_hat)):
         got = np.array(got)
         np.testing.assert_array_equal(got[:, :, exact], raw[:, :, exact])
@@ -87,6 +143,12 @@ def _check_contents(cache, ref):
         w = want[:, :, ~exact]
         rel = np.linalg.norm(got[:, :, ~exact] - w, axis=-1) / np.linalg.norm(w, axis=-1)
         assert np.all(rel[bad_vectors] < 0.1), rel[bad_vectors]
+
+
+def _magnitude(x):
+    """Tolerances scale with the data: float32 rounding is relative (the levers'
+    test data have large means)."""
+    return max(1.0, float(np.abs(np.array(x)).max()))
 
 
 def _expected(q, K, V, scale, mask, sinks=None):
@@ -139,6 +201,17 @@ LAYOUTS = [
     dict(fp16_recent_tokens=10, rollback_tokens=3),
     dict(fp16_sink_tokens=2, fp16_recent_tokens=6, key_bits=4, value_bits=3),
 ]
+# The levers, alone and with sinks / windows. The fill schedule is 37, 1, 5, 1, 20
+# tokens: calibration in the first call by default, in the last one with 48 tokens.
+LEVER_LAYOUTS = [
+    dict(center=True),
+    dict(query_aware_keys=True, calibration_tokens=8),
+    dict(center=True, query_aware_keys=True, fp16_sink_tokens=4),
+    dict(center=True, query_aware_keys=True, fp16_sink_tokens=2, fp16_recent_tokens=6,
+         key_bits=3, value_bits=3, rope_pairing="interleaved"),
+    dict(center=True, query_aware_keys=True, fp16_sink_tokens=3, calibration_tokens=48,
+         key_bits=3, value_bits=2, rope_pairing="none"),
+]
 
 
 def _masks(rng, L, N, B, Hq):
@@ -149,7 +222,11 @@ def _masks(rng, L, N, B, Hq):
     return [None, "causal", bool_mask, additive]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "-".join(f"{k[:4]}{v}" for k, v in c.items()) or "plain")
+def _layout_id(c):
+    return "-".join(f"{k[:4]}{v}" for k, v in c.items()) or "plain"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + LEVER_LAYOUTS, ids=_layout_id)
 @pytest.mark.parametrize("L", [1, 3, 8, 9, 40])
 def test_attention_matches_reference(layout, L):
     rng = np.random.default_rng(L)
@@ -158,17 +235,21 @@ def test_attention_matches_reference(layout, L):
     N = cache.offset
     q = _rand(rng, (B, Hq, L, D))
     sinks = _rand(rng, (Hq,))
+    tol = TOL * _magnitude(V)
     for mask in _masks(rng, L, N, B, Hq):
         want = _expected(q, K, V, 0.2, mask)
         got = cache.attention(q, scale=0.2, mask=mask)
-        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL, err_msg=str(mask)[:20])
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=tol, err_msg=str(mask)[:20])
     want = _expected(q, K, V, 0.2, "causal", sinks=sinks)
     np.testing.assert_allclose(
-        np.array(cache.attention(q, 0.2, "causal", sinks=sinks)), np.array(want), atol=TOL
+        np.array(cache.attention(q, 0.2, "causal", sinks=sinks)), np.array(want), atol=tol
     )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:1] + LAYOUTS[3:], ids=["plain", "window", "sink-window"])
+@pytest.mark.parametrize(
+    "layout", LAYOUTS[:1] + LAYOUTS[3:] + LEVER_LAYOUTS[2:4],
+    ids=["plain", "window", "sink-window", "levers-sink", "levers-sink-window"],
+)
 def test_prefill_key_blocks_and_query_chunks_match_reference(layout):
     rng = np.random.default_rng(5)
     B, Hq, H, D = 1, 4, 2, 64
@@ -179,7 +260,7 @@ def test_prefill_key_blocks_and_query_chunks_match_reference(layout):
     for mask in _masks(rng, 70, cache.offset, B, Hq):
         got = cache.attention(q, scale=0.125, mask=mask)
         want = _expected(q, K, V, 0.125, mask)
-        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -278,7 +359,7 @@ def test_deepcopy_is_independent():
     assert mx.array_equal(cache.attention(q, 0.1), before)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=range(len(LAYOUTS)))
+@pytest.mark.parametrize("layout", LAYOUTS + LEVER_LAYOUTS, ids=range(len(LAYOUTS) + len(LEVER_LAYOUTS)))
 def test_trim_equals_never_having_the_tokens(layout):
     rng = np.random.default_rng(2)
     keys = _rand(rng, (1, 2, 60, 64))
@@ -333,28 +414,39 @@ def _assert_same_cache(a, b):
                 assert x == y
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + [dict(fp16_sink_tokens=50)], ids=range(len(LAYOUTS) + 1))
+STATE_LAYOUTS = LAYOUTS + [dict(fp16_sink_tokens=50)] + LEVER_LAYOUTS + [
+    dict(center=True, query_aware_keys=True, calibration_tokens=100),  # not calibrated yet
+    dict(center=True, query_aware_keys=True, fp16_sink_tokens=50, calibration_tokens=1),
+]
+
+
+@pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=range(len(STATE_LAYOUTS)))
 def test_state_round_trip(layout):
     rng = np.random.default_rng(6)
     cache, _, _ = _filled(rng, [33, 1, 4], **layout)
-    q = _rand(rng, (1, 2, 3, 64))
-    want = cache.attention(q, 0.1, "causal")
+    if layout.get("calibration_tokens") == 100:
+        assert not cache.calibrated and cache._q_count == 2 * 38
     new = TurboQuantKVCache.from_state(cache.state)
     _assert_same_cache(cache, new)
-    assert mx.array_equal(new.attention(q, 0.1, "causal"), want)
+    q = _rand(rng, (1, 2, 3, 64))
+    assert mx.array_equal(new.attention(q, 0.1, "causal"), cache.attention(q, 0.1, "causal"))
     # Older mlx-lm: arrays in `state`, integers as strings in `meta_state`; either order.
-    arrays, meta = cache.state[:8], cache.meta_state
+    arrays, meta = cache.state[:12], cache.meta_state
     assert all(isinstance(s, str) for s in meta)
     _assert_same_cache(cache, TurboQuantKVCache.from_state(arrays, meta))
     legacy = TurboQuantKVCache.__new__(TurboQuantKVCache)
     legacy.state = arrays
     legacy.meta_state = meta
     _assert_same_cache(cache, legacy)
-    # Continuing works the same on both.
-    k, v = _rand(rng, (1, 2, 2, 64)), _rand(rng, (1, 2, 2, 64))
-    cache.update_and_fetch(k, v)
-    new.update_and_fetch(k, v)
-    assert mx.array_equal(new.attention(q, 0.1, "causal"), cache.attention(q, 0.1, "causal"))
+    # Continuing works the same on both (past the calibration where there is one).
+    for n in (2, 70):
+        k, v = _rand(rng, (1, 2, n, 64)), _rand(rng, (1, 2, n, 64))
+        cache.update_and_fetch(k, v)
+        new.update_and_fetch(k, v)
+        q = _rand(rng, (1, 2, n, 64))
+        assert mx.array_equal(new.attention(q, 0.1, "causal"), cache.attention(q, 0.1, "causal"))
+        _assert_same_cache(cache, new)
+    assert cache.calibrated
 
 
 def test_empty_state_round_trip_and_bad_states():
@@ -367,7 +459,7 @@ def test_empty_state_round_trip_and_bad_states():
     with pytest.raises(ValueError, match="entries"):
         TurboQuantKVCache.from_state(state[:5])
     bad = list(state)
-    bad[8 + 7] = 21  # offset beyond the stored tokens
+    bad[12 + 7] = 21  # offset beyond the stored tokens
     with pytest.raises(ValueError, match="inconsistent"):
         TurboQuantKVCache.from_state(bad)
     bad = list(state)
@@ -375,7 +467,84 @@ def test_empty_state_round_trip_and_bad_states():
     with pytest.raises(ValueError, match="inconsistent"):
         TurboQuantKVCache.from_state(bad)
     with pytest.raises(ValueError, match="no configuration"):
-        TurboQuantKVCache.from_state(state[:8])
+        TurboQuantKVCache.from_state(state[:12])
+    bad = list(state)
+    bad[12] = 3
+    with pytest.raises(ValueError, match="version 3"):
+        TurboQuantKVCache.from_state(bad)
+    # Format 1 (8 arrays, 10 integers, no levers) still loads.
+    v1 = state[:8] + [1] + state[13:22]
+    old = TurboQuantKVCache.from_state(v1)
+    _assert_same_cache(full, old)
+    # Lever arrays must match the configuration and the layout.
+    levered, _, _ = _filled(rng, [40], center=True, query_aware_keys=True)
+    state = levered.state
+    assert levered.key_mean.shape == levered.key_scale.shape == (1, 2, 1, 64)
+    for i, value in [(8, state[8][..., :-1]), (10, state[10].astype(mx.float16)),
+                     (12 + 10, 0), (12 + 11, 0), (12 + 15, 0)]:
+        bad = list(state)
+        bad[i] = value
+        with pytest.raises(ValueError, match="inconsistent"):
+            TurboQuantKVCache.from_state(bad)
+
+
+def test_levers_calibrate_at_update_without_queries():
+    # No attention call between updates (no hook): the update that finds
+    # calibration_tokens held tokens calibrates; without queries there is no key scale.
+    rng = np.random.default_rng(11)
+    cache, K, V = _filled(rng, [20, 10, 3], attend=False, center=True, query_aware_keys=True,
+                          fp16_sink_tokens=2, calibration_tokens=28)
+    assert cache.calibrated and cache.key_scale is None
+    assert cache._n_comp == 31  # the 28 held tokens, then the 3 new ones
+    q = _rand(rng, (1, 4, 1, 64))
+    np.testing.assert_allclose(
+        np.array(cache.attention(q, 0.1)), np.array(_expected(q, K, V, 0.1, None)),
+        atol=TOL * _magnitude(V),
+    )
+
+
+def test_key_scale_is_tied_over_rope_pairs_normalized_and_clamped():
+    rng = np.random.default_rng(12)
+    for pairing, partner in (("half", lambda i: (i + 32) % 64), ("interleaved", lambda i: i ^ 1)):
+        cache, _, _ = _filled(rng, [40], center=True, query_aware_keys=True, rope_pairing=pairing)
+        a = np.array(cache.key_scale)[0, 0, 0]
+        np.testing.assert_array_equal(a, a[[partner(i) for i in range(64)]])
+        assert abs(np.mean(a * a) - 1) < 0.05 and np.ptp(a) > 0.2
+    # Partial RoPE: only the first rope_dims channels are paired.
+    cache, _, _ = _filled(rng, [40], center=True, query_aware_keys=True, rope_dims=16)
+    a = np.array(cache.key_scale)[0, 0, 0]
+    np.testing.assert_array_equal(a[:8], a[8:16])
+    assert not np.array_equal(a[16:24], a[24:32])
+    # Extreme energies are clamped to [1/8, 8] (here the lower bound is reached; the
+    # normalization keeps a^2 <= D/2 for a pair).
+    cache = TurboQuantKVCache(4, 4, query_aware_keys=True, calibration_tokens=4)
+    k = np.ones((1, 1, 8, 64), np.float32) * rng.standard_normal((1, 1, 8, 1))
+    k[..., :2] *= 1e4
+    q = np.ones((1, 1, 8, 64), np.float32)
+    q[..., 2:4] *= 1e4
+    cache.update_and_fetch(mx.array(k), mx.array(k))
+    cache.attention(mx.array(q), 0.1, "causal")
+    a = np.array(cache.key_scale)[0, 0, 0]
+    assert a.min() >= 1 / 8 * (1 - 1e-6) and a.max() <= 8 * (1 + 1e-6)
+    assert a[0] == pytest.approx(1 / 8) and a[2] > 3
+
+
+def test_levers_reduce_attention_error():
+    # Exact transforms, so they can only help the codec: on data with a common mean and
+    # unequal channel scales (as real keys have), both levers cut the error of the
+    # attention output against exact attention on the unquantized tokens.
+    rng = np.random.default_rng(13)
+    k = _biased(rng, (1, 2, 256, 64))
+    v = _biased(rng, (1, 2, 256, 64))
+    q = _queries(rng, (1, 4, 256, 64))
+    exact = np.array(_expected(q, k.astype(mx.float16), v.astype(mx.float16), 0.1, "causal"))
+    errors = []
+    for levers in (dict(), dict(center=True), dict(center=True, query_aware_keys=True)):
+        cache = TurboQuantKVCache(3, 3, seed=1, **levers)
+        cache.update_and_fetch(k, v)
+        out = np.array(cache.attention(q, 0.1, "causal"))
+        errors.append(np.linalg.norm(out - exact) / np.linalg.norm(exact))
+    assert errors[1] < 0.8 * errors[0] and errors[2] < 0.9 * errors[1], errors
 
 
 def _mixed_cache(rng):
@@ -450,8 +619,13 @@ def test_presets_table():
     with pytest.raises(ValueError, match="valid presets: fp16, tq4, tq3"):
         get_preset("tq5")
     assert {"fp16", "tq4", "tq3", "tq4-sink", "tq3-sink"} <= set(PRESETS)
-    assert PRESETS["tq4"].bits_per_coordinate(64, 4096) == pytest.approx(4.25)
-    assert PRESETS["tq3"].bits_per_coordinate(128, 1000) == pytest.approx(3.125)
+    assert PRESETS["tq4-plain"].bits_per_coordinate(64, 4096) == pytest.approx(4.25)
+    assert PRESETS["tq3-plain"].bits_per_coordinate(128, 1000) == pytest.approx(3.125)
+    # The headline presets stay within their budgets (4.5 / 3.5 bits) from 1k tokens on,
+    # on SmolLM2-135M's 30 layers.
+    for name, budget in (("tq4", 4.5), ("tq3", 3.5)):
+        for ctx in (1024, 3072, 8192):
+            assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30) <= budget
     assert PRESETS["fp16"].bits_per_coordinate(64, 10) == 16
     p = KVPreset("x", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=60, fp16_layers=(1, 1))
     # 1000 tokens: 4 sinks + 60 window + 16 rollback in fp16, 936 compressed.
@@ -459,6 +633,12 @@ def test_presets_table():
     assert p.bits_per_coordinate(64, 1000) == pytest.approx(per_layer)
     assert p.bits_per_coordinate(64, 1000, num_layers=30) == pytest.approx((2 * 16 + 28 * per_layer) / 30)
     assert p.bits_per_coordinate(64, 10) == 16  # everything still fp16
+    # Levers: three float32 vectors per KV head and layer; nothing quantized before
+    # calibration_tokens non-sink tokens.
+    lev = KVPreset("y", 4, 4, fp16_sink_tokens=4, center=True, query_aware_keys=True)
+    want = ((4096 - 4) * 2 * (64 * 4 + 16) + 4 * 2 * 64 * 16 + 3 * 64 * 32) / (2 * 64 * 4096)
+    assert lev.bits_per_coordinate(64, 4096) == pytest.approx(want)
+    assert lev.bits_per_coordinate(64, 30) == 16
 
 
 def test_factory_options():
@@ -471,7 +651,7 @@ def test_factory_options():
     assert types_of(plus) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     assert plus[1].fp16_sink_tokens == 4 and plus[1].fp16_recent_tokens == 64
     cache = make_prompt_cache(
-        model, "tq3", key_bits=4, seed=5,
+        model, "k3v3", key_bits=4, seed=5,
         layer_overrides={0: "tq4", 2: (2, 3), 3: {"value_bits": 4, "fp16_sink_tokens": 1}, -1: "fp16"},
     )
     assert types_of(cache) == ["tq", "tq", "tq", "tq", "tq", "kv"]
@@ -490,6 +670,29 @@ def test_factory_options():
     gemma = build_model("gemma3_text")
     with pytest.raises(ValueError, match="not a full-attention"):
         make_prompt_cache(gemma, "tq4", layer_overrides={0: "tq3"})
+
+
+def test_factory_levers_and_rope_pairing():
+    model = build_model("llama", num_hidden_layers=2)
+    plain = KVPreset("plain", 4, 4)
+    levered = KVPreset("lev", 3, 3, center=True, query_aware_keys=True)
+    c = make_prompt_cache(model, plain)
+    assert not c[0].center and not c[0].query_aware_keys and c[0].calibrated
+    c = make_prompt_cache(model, levered, calibration_tokens=7)
+    assert c[0].center and c[0].query_aware_keys and not c[0].calibrated
+    assert (c[0].rope_pairing, c[0].rope_dims, c[0].calibration_tokens) == ("half", 64, 7)
+    c = make_prompt_cache(model, levered, query_aware_keys=False, rope_pairing="none",
+                          layer_overrides={1: plain})
+    assert c[0].center and not c[0].query_aware_keys and c[0].rope_pairing == "none"
+    assert not c[1].center and not c[1].query_aware_keys
+    c = make_prompt_cache(model, plain, layer_overrides={1: {"center": True}})
+    assert not c[0].center and c[1].center
+    # Traditional (interleaved) RoPE, partial RoPE.
+    trad = build_model("llama", num_hidden_layers=2, rope_traditional=True)
+    assert make_prompt_cache(trad, levered)[0].rope_pairing == "interleaved"
+    nxt = build_model("qwen3_next")
+    tq = [x for x in make_prompt_cache(nxt, levered) if isinstance(x, TurboQuantKVCache)]
+    assert tq and all((x.rope_pairing, x.rope_dims) == ("half", 16) for x in tq)
 
 
 def test_factory_refuses_models_that_bypass_the_hook():
@@ -526,8 +729,12 @@ def test_cache_nbytes_report():
 def test_queries_cover_the_whole_short_cache(L):
     # Fewer compressed tokens than queries: early queries see only sinks / nothing compressed.
     rng = np.random.default_rng(L)
-    for layout in (dict(), dict(fp16_sink_tokens=2), dict(fp16_sink_tokens=1, fp16_recent_tokens=2)):
+    levers = dict(center=True, query_aware_keys=True, calibration_tokens=1)
+    for layout in (dict(), dict(fp16_sink_tokens=2), dict(fp16_sink_tokens=1, fp16_recent_tokens=2),
+                   dict(levers, fp16_sink_tokens=2), dict(levers, fp16_sink_tokens=1,
+                                                          fp16_recent_tokens=2)):
         cache, K, V = _filled(rng, [L], **layout)
         q = _rand(rng, (1, 4, L, 64))
         want = _expected(q, K, V, 0.3, "causal")
-        np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want), atol=TOL)
+        np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want),
+                                   atol=TOL * _magnitude(V))

@@ -19,9 +19,15 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from mlx_lm.models.cache import trim_prompt_cache
 
 import lm_helpers
-from lm_helpers import build_model, reference_caches, shadow_caches
+from lm_helpers import (
+    build_model,
+    preset_kwargs,
+    reference_caches,
+    route_reference_attention,
+    shadow_caches,
+)
 from turboquant_mlx.attention import hook_installed, install_hook, uninstall_hook
-from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
+from turboquant_mlx.cache import PRESETS, TurboQuantKVCache, make_prompt_cache
 
 # Attention outputs inside the model, compressed path vs reference on identical inputs.
 ATTN_TOL = 2e-5
@@ -31,6 +37,11 @@ ATTN_TOL = 2e-5
 # a few of them land on a neighbouring code, and such differences propagate. They
 # stay ~100x below what quantization itself does to the logits (asserted below).
 ATOL = 2e-2
+# With the levers such a one-ulp difference of one float16 key moves mu_k, i.e. the
+# quantizer input of *every* compressed key of that head (by ~1e-5): a neighbouring
+# code is then likelier somewhere, and the bound is looser (still >= 10x below the
+# effect of quantization).
+ATOL_LEVERS = 1e-1
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +74,13 @@ CONFIGS = [
     dict(key_bits=4, value_bits=4, fp16_sink_tokens=4),
     dict(key_bits=3, value_bits=4, fp16_sink_tokens=3, fp16_recent_tokens=16),
     dict(key_bits=4, value_bits=4, fp16_recent_tokens=7),
+    # The levers: calibrated in the prefill, and (50 tokens) at the 12-token call.
+    dict(key_bits=4, value_bits=4, fp16_sink_tokens=4, center=True, query_aware_keys=True),
+    dict(key_bits=3, value_bits=3, fp16_sink_tokens=2, fp16_recent_tokens=8, center=True,
+         query_aware_keys=True, calibration_tokens=50),
+    dict(key_bits=3, value_bits=4, center=True),
 ]
+_LEVERS = ("center", "query_aware_keys", "calibration_tokens")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
@@ -77,19 +94,26 @@ def test_logits_match_dequantized_reference(llama, cfg, blocked):
             c.prefill_min_block = 16
     ref = reference_caches(llama, cfg["key_bits"], cfg["value_bits"], seed=3,
                            fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
-                           fp16_recent_tokens=cfg.get("fp16_recent_tokens", 0))
+                           fp16_recent_tokens=cfg.get("fp16_recent_tokens", 0),
+                           **{k: cfg[k] for k in _LEVERS if k in cfg})
     tokens = _tokens(sum(SCHEDULE))
     got = _run(llama, cache, tokens, SCHEDULE)
     for c in cache:
         assert [n for n, _ in c.diffs] == SCHEDULE  # every call went through the hook
         for n, d in c.diffs:
             assert d < ATTN_TOL, (n, d)
-    want = _run(llama, ref, tokens, SCHEDULE)
+        assert c.calibrated
+        assert (c.key_mean is not None) == cfg.get("center", False)
+        assert (c.key_scale is not None) == cfg.get("query_aware_keys", False)
+    with route_reference_attention():
+        want = _run(llama, ref, tokens, SCHEDULE)
     fp16 = _run(llama, mlx_make_prompt_cache(llama), tokens, SCHEDULE)
+    levers = cfg.get("center", False) or cfg.get("query_aware_keys", False)
+    atol = ATOL_LEVERS if levers else ATOL
     for n, g, w, f in zip(SCHEDULE, got, want, fp16):
-        np.testing.assert_allclose(np.array(g), np.array(w), atol=ATOL, rtol=0, err_msg=f"chunk {n}")
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}")
     # The comparison is meaningful: quantization visibly changes the logits.
-    assert max(float(mx.abs(g - f).max()) for g, f in zip(got, fp16)) > 50 * ATOL
+    assert max(float(mx.abs(g - f).max()) for g, f in zip(got, fp16)) > (10 if levers else 50) * atol
 
 
 def test_head_dim_128_and_fp16_layers():
@@ -120,16 +144,22 @@ def test_hook_leaves_other_caches_bit_identical(llama):
     assert hook_installed()
 
 
-def test_greedy_generation_matches_reference(llama):
+@pytest.mark.parametrize("preset", ["tq4", "tq3", "k3v3", "tq4-plain"])
+def test_greedy_generation_matches_reference(llama, preset):
+    # The presets' levers calibrate at the 32nd non-sink token: in the middle of the
+    # generation here (the prompt is prefilled in chunks of 16).
     prompt = _tokens(30, seed=4)
-    cache = make_prompt_cache(llama, "tq4", seed=7)
-    ref = reference_caches(llama, 4, 4, seed=7)
+    p = PRESETS[preset]
+    cache = make_prompt_cache(llama, preset, seed=7)
+    ref = reference_caches(llama, p.key_bits, p.value_bits, seed=7, **preset_kwargs(p))
     got = [t for t, _ in generate_step(prompt, llama, prompt_cache=cache, max_tokens=12,
                                         prefill_step_size=16)]
-    want = [t for t, _ in generate_step(prompt, llama, prompt_cache=ref, max_tokens=12,
-                                         prefill_step_size=16)]
+    with route_reference_attention():
+        want = [t for t, _ in generate_step(prompt, llama, prompt_cache=ref, max_tokens=12,
+                                             prefill_step_size=16)]
     assert got == want
     assert cache[0].offset == ref[0].offset >= 30 + 11
+    assert cache[0].calibrated == ref[0].calibrated
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_5", "qwen3_next", "gemma3_text"])
@@ -169,9 +199,12 @@ def test_factory_layer_types_and_generation(name, monkeypatch):
 
 
 def test_trim_then_continue_matches_cache_without_trimmed_tokens(llama):
+    # With the levers, calibrated in the prompt's prefill (calibration_tokens=8): a
+    # calibration that saw the trimmed tokens would differ (never undone; see trim).
     tokens = _tokens(60, seed=6)
     junk = _tokens(6, seed=7)
     for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
+        cfg.update(calibration_tokens=8)
         a = make_prompt_cache(llama, "tq4", rollback_tokens=6, **cfg)
         b = make_prompt_cache(llama, "tq4", rollback_tokens=6, **cfg)
         _run(llama, a, tokens, [30, 1, 1])
@@ -190,19 +223,24 @@ def test_speculative_decoding_with_compressed_caches(llama):
     tokenizer = lm_helpers.make_tokenizer()
     draft = build_model("llama", seed=11)
     prompt = _tokens(20, seed=8).tolist()
+    # The levers calibrate in the prompt's prefill (calibration_tokens=8), so plain and
+    # speculative decoding calibrate on the same tokens and queries.
     for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
-        plain = make_prompt_cache(llama, "tq4", **cfg)
+        plain = make_prompt_cache(llama, "tq4", calibration_tokens=8, **cfg)
         want = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
                                                   prompt_cache=plain)]
-        cache = make_prompt_cache(llama, "tq4", **cfg) + make_prompt_cache(draft, "tq4", **cfg)
+        cache = (make_prompt_cache(llama, "tq4", calibration_tokens=8, **cfg)
+                 + make_prompt_cache(draft, "tq4", calibration_tokens=8, **cfg))
         responses = list(stream_generate(llama, tokenizer, prompt, max_tokens=10,
                                          draft_model=draft, num_draft_tokens=3,
                                          prompt_cache=cache))
         got = [r.token for r in responses]
-        ref = reference_caches(llama, 4, 4, **cfg) + reference_caches(draft, 4, 4, **cfg)
-        want_ref = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
-                                                      draft_model=draft, num_draft_tokens=3,
-                                                      prompt_cache=ref)]
+        kw = preset_kwargs("tq4", calibration_tokens=8, **cfg)
+        ref = reference_caches(llama, 4, 4, **kw) + reference_caches(draft, 4, 4, **kw)
+        with route_reference_attention():
+            want_ref = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
+                                                          draft_model=draft, num_draft_tokens=3,
+                                                          prompt_cache=ref)]
         assert got == want_ref
         if not cfg:
             # Without an fp16 window, verification sees exactly what decoding sees.

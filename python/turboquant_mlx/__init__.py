@@ -16,6 +16,8 @@ _LAZY = {
     "uninstall_hook": "attention",
     "save_prompt_cache": "prompt_cache",
     "load_prompt_cache": "prompt_cache",
+    "fold_value_rotation": "fold",
+    "ValueFoldError": "fold",
 }
 
 

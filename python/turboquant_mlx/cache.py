@@ -21,6 +21,34 @@ when they leave it. The window buffer keeps ``rollback_tokens`` more fp16 tokens
 (already quantized too) so that trimming up to that many tokens -- speculative
 decoding -- leaves exactly the cache that never saw the trimmed tokens.
 
+Two exact transforms of the compressed segment (options ``center`` and
+``query_aware_keys``; off by default, on in the headline presets) make the codec's
+job easier without changing what attention computes in exact arithmetic:
+
+* Mean centering: the compressed tokens store ``k - mu_k`` and ``v - mu_v``, with
+  ``mu_k``, ``mu_v`` (per batch row and KV head, float32) the means of the
+  calibration tokens. Softmax is invariant to a per-query constant, so the
+  compressed segment's normalized output only gains ``+ mu_v`` and its
+  log-sum-exp ``+ scale * (q . mu_k)`` -- which is what the segment merge needs.
+* Query-aware key scaling: keys are stored as ``a * (k - mu_k)`` and the queries
+  of the compressed segment are divided by ``a`` (``q/a . a k = q . k``), with a
+  diagonal ``a`` chosen so that the codec's (isotropic, after the rotation) error
+  weighs the key channels the queries read most: ``a_i^2`` proportional to
+  ``sqrt(E[q_i^2] / E[k_i^2])`` (mean ``a^2`` = 1, ``a`` clamped to
+  ``[1/key_scale_max, key_scale_max]``), channel energies averaged over each RoPE
+  pair (``rope_pairing``) so that ``a`` does not depend on the position.
+
+Both are estimated once per layer, at *calibration*: until then the cache holds
+its non-sink tokens unquantized (in the window buffer) and accumulates the energy
+of the queries it attends with (those at positions ``>= fp16_sink_tokens``). It
+calibrates in the first attention call at which it holds at least
+``calibration_tokens`` non-sink tokens -- for a prompt that long, the prefill,
+with the prompt's own queries -- from every non-sink token held and the queries
+seen so far, quantizes what its layout says must be quantized, then attends; an
+``update_and_fetch`` that finds that many tokens already held (no attention call
+came) calibrates with the queries seen so far (none: ``a = 1``). ``mu`` and ``a``
+are part of the state.
+
 Attention combines the three segments with their log-sum-exp
 (:func:`~turboquant_mlx.attention.merge_attention`). Decode and verification
 (``L <= 8`` queries) run :func:`~turboquant_mlx.ops.compressed_attention` on the
@@ -64,13 +92,14 @@ __all__ = [
 
 _PREFIX = "[turboquant_mlx.cache]"
 _SUPPORTED_BITS = (2, 3, 4)
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 # Older mlx-lm kept the non-array part of a cache's state in ``meta_state``
 # (a tuple of strings) and could only save arrays in ``state``.
 _LEGACY_META_STATE = hasattr(_BaseCache, "meta_state")
 
-# Names of the integers that describe a cache besides its arrays, in state order.
+# Names of the integers that describe a cache besides its arrays, in state order
+# (format version 2; version 1 had the first 10 and 8 arrays).
 _CONFIG_FIELDS = (
     "format_version",
     "key_bits",
@@ -82,8 +111,20 @@ _CONFIG_FIELDS = (
     "offset",
     "n_compressed",
     "window_start",
+    "center",
+    "query_aware_keys",
+    "rope_pairing",
+    "rope_dims",
+    "calibration_tokens",
+    "calibrated",
+    "query_count",
 )
-_N_ARRAYS = 8  # k_codes, k_scales, v_codes, v_scales, sink_k, sink_v, win_k, win_v
+_CONFIG_FIELDS_V1 = _CONFIG_FIELDS[:10]
+# k_codes, k_scales, v_codes, v_scales, sink_k, sink_v, win_k, win_v,
+# mu_k, mu_v, key_scale, query_energy
+_N_ARRAYS = 12
+_N_ARRAYS_V1 = 8
+_ROPE_PAIRINGS = ("none", "half", "interleaved")
 
 
 def _check_int(name, value, minimum=0):
@@ -133,12 +174,32 @@ class TurboQuantKVCache(_BaseCache):
             Default: the keys' dtype if it is float16 or bfloat16, else float16.
             Incoming keys and values are rounded to it on arrival, so the cache
             behaves the same whichever segment a token is in when it is quantized.
+        center: Store the compressed tokens centered on the calibration tokens' mean
+            keys and values (module docstring).
+        query_aware_keys: Scale the compressed keys channel-wise by ``a`` from the
+            calibration's query and key energies, and the queries by ``1/a``.
+        rope_pairing: Channels whose energies are averaged for ``a`` (the pairs the
+            model's RoPE rotates together): ``"half"`` pairs ``i`` with
+            ``i + rope_dims/2`` (mlx-lm's default RoPE), ``"interleaved"`` pairs
+            ``2i`` with ``2i+1`` (``traditional`` RoPE), ``"none"`` ties nothing.
+        rope_dims: Number of rotated channels (partial RoPE); 0 means the head dim.
+        calibration_tokens: Non-sink tokens held unquantized before the levers are
+            calibrated (at least 1; only used with ``center`` or
+            ``query_aware_keys``).
+        rotate_values: Rotate values with the layer's rotation before quantizing
+            them, and rotate the attention output's value accumulation back
+            (default). ``False`` is for a model whose ``W_v``/``W_o`` carry this
+            rotation already (:mod:`turboquant_mlx.fold`): values are quantized as
+            they arrive and the output stays in that rotated space, for ``W_o`` to
+            undo. Keys are rotated either way. Not part of the saved state (a cache
+            rebuilt from a state rotates its values).
 
     Note:
         The class has no attribute ``bits``: mlx-lm sends any cache that has one to
         its affine-quantized attention path.
     """
 
+    rotate_values = True  # see rotate_values above; instance attribute when set
     step = 256  # capacity granularity (tokens)
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
@@ -156,12 +217,22 @@ class TurboQuantKVCache(_BaseCache):
         rollback_tokens: int = 16,
         prefill_budget_bytes: Optional[int] = None,
         window_dtype: Optional[mx.Dtype] = None,
+        center: bool = False,
+        query_aware_keys: bool = False,
+        rope_pairing: str = "half",
+        rope_dims: int = 0,
+        calibration_tokens: int = 32,
+        rotate_values: bool = True,
     ):
         self._init_runtime(prefill_budget_bytes)
         self.window_dtype = window_dtype
         self._configure(
-            key_bits, value_bits, seed, fp16_sink_tokens, fp16_recent_tokens, rollback_tokens
+            key_bits, value_bits, seed, fp16_sink_tokens, fp16_recent_tokens, rollback_tokens,
+            center, query_aware_keys, rope_pairing, rope_dims, calibration_tokens,
         )
+        if not isinstance(rotate_values, (bool, np.bool_)):
+            raise ValueError(f"{_PREFIX} rotate_values must be a bool, got {rotate_values!r}.")
+        self.rotate_values = bool(rotate_values)
         self._config_set = True
         self._reset_storage()
 
@@ -175,13 +246,30 @@ class TurboQuantKVCache(_BaseCache):
         self.window_dtype = None
         self._pending_arrays = None
 
-    def _configure(self, key_bits, value_bits, seed, sinks, recent, rollback):
+    def _configure(
+        self, key_bits, value_bits, seed, sinks, recent, rollback,
+        center=False, query_aware_keys=False, rope_pairing="half", rope_dims=0,
+        calibration_tokens=32,
+    ):
         self.key_bits = _check_bits("key_bits", key_bits)
         self.value_bits = _check_bits("value_bits", value_bits)
         self.seed = _check_int("seed", seed)
         self.fp16_sink_tokens = _check_int("fp16_sink_tokens", sinks)
         self.fp16_recent_tokens = _check_int("fp16_recent_tokens", recent)
         self.rollback_tokens = _check_int("rollback_tokens", rollback)
+        for name, flag in (("center", center), ("query_aware_keys", query_aware_keys)):
+            if not isinstance(flag, (bool, np.bool_)) and flag not in (0, 1):
+                raise ValueError(f"{_PREFIX} {name} must be a bool, got {flag!r}.")
+        self.center = bool(center)
+        self.query_aware_keys = bool(query_aware_keys)
+        if rope_pairing not in _ROPE_PAIRINGS:
+            raise ValueError(
+                f"{_PREFIX} rope_pairing must be one of {', '.join(_ROPE_PAIRINGS)}, "
+                f"got {rope_pairing!r}."
+            )
+        self.rope_pairing = rope_pairing
+        self.rope_dims = _check_int("rope_dims", rope_dims)
+        self.calibration_tokens = _check_int("calibration_tokens", calibration_tokens, 1)
         self._head_dim = None
         self._rotation = None
 
@@ -192,6 +280,31 @@ class TurboQuantKVCache(_BaseCache):
         self._sink_k = self._sink_v = None
         self._win_k = self._win_v = None
         self._win_start = self.fp16_sink_tokens
+        # Calibration of the levers (module docstring); None means identity.
+        self._calibrated = not (self.center or self.query_aware_keys)
+        self._mu_k = self._mu_v = self._key_scale = None
+        self._q_energy = None  # (B, H_kv, D) float32: sum of q^2 seen before calibration
+        self._q_count = 0  # number of query vectors in _q_energy
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the levers' transform is fixed (always True without levers)."""
+        return self._calibrated
+
+    @property
+    def key_mean(self) -> Optional[mx.array]:
+        """``mu_k`` ``(B, H_kv, 1, D)`` float32, or None (no centering / not calibrated)."""
+        return self._mu_k
+
+    @property
+    def value_mean(self) -> Optional[mx.array]:
+        """``mu_v`` ``(B, H_kv, 1, D)`` float32, or None."""
+        return self._mu_v
+
+    @property
+    def key_scale(self) -> Optional[mx.array]:
+        """The key scale ``a`` ``(B, H_kv, 1, D)`` float32, or None (identity)."""
+        return self._key_scale
 
     @property
     def _window_capacity(self) -> int:
@@ -265,15 +378,106 @@ class TurboQuantKVCache(_BaseCache):
             return
         self._ensure_capacity(self._n_comp + n)
         rot = self._rotation
+        if self._mu_k is not None:
+            keys = keys.astype(mx.float32) - self._mu_k
+        if self._key_scale is not None:
+            keys = keys.astype(mx.float32) * self._key_scale
+        if self._mu_v is not None:
+            values = values.astype(mx.float32) - self._mu_v
         self._k_codes, self._k_scales = ops.quantize_append(
             self._k_codes, self._k_scales, rot.forward(keys), self._k_centroids,
             self._n_comp, self.key_bits,
         )
         self._v_codes, self._v_scales = ops.quantize_append(
-            self._v_codes, self._v_scales, rot.forward(values), self._v_centroids,
-            self._n_comp, self.value_bits,
+            self._v_codes, self._v_scales,
+            rot.forward(values) if self.rotate_values else values.astype(mx.float32),
+            self._v_centroids, self._n_comp, self.value_bits,
         )
         self._n_comp += n
+
+    # -- calibration of the levers ----------------------------------------------------
+
+    def _held_tokens(self) -> int:
+        """Non-sink tokens held (all unquantized while not calibrated)."""
+        return max(0, self.offset - self.fp16_sink_tokens)
+
+    def _observe_queries(self, queries: mx.array):
+        """Adds the energies of queries at positions ``>= fp16_sink_tokens``."""
+        if not self.query_aware_keys:
+            return
+        B, n_q, L, D = queries.shape
+        skip = max(0, self.fp16_sink_tokens - (self.offset - L))
+        if skip >= L:
+            return
+        q = queries[:, :, skip:] if skip else queries
+        H = self._batch_heads[1]
+        G = n_q // H
+        q = q.astype(mx.float32).reshape(B, H, G * (L - skip), D)
+        e = mx.sum(q * q, axis=2)
+        self._q_energy = e if self._q_energy is None else self._q_energy + e
+        self._q_count += G * (L - skip)
+
+    def _pair_mean(self, e: mx.array) -> mx.array:
+        """Averages channel energies ``(..., D)`` over the RoPE pairs."""
+        D = e.shape[-1]
+        d = min(self.rope_dims or D, D)
+        if self.rope_pairing == "none" or d < 2:
+            return e
+        if self.rope_pairing == "half":
+            h = d // 2
+            m = (e[..., :h] + e[..., h : 2 * h]) * 0.5
+            parts = [m, m]
+            if 2 * h < D:
+                parts.append(e[..., 2 * h :])
+        else:  # interleaved
+            h = d // 2
+            pairs = e[..., : 2 * h].reshape(e.shape[:-1] + (h, 2))
+            m = mx.mean(pairs, axis=-1, keepdims=True)
+            parts = [mx.broadcast_to(m, pairs.shape).reshape(e.shape[:-1] + (2 * h,))]
+            if 2 * h < D:
+                parts.append(e[..., 2 * h :])
+        return mx.concatenate(parts, axis=-1)
+
+    key_scale_max = 8.0  # a is clamped to [1/key_scale_max, key_scale_max]
+
+    def _key_scale_from(self, q_energy: mx.array, k_energy: mx.array) -> mx.array:
+        """``a`` ``(B, H, 1, D)`` from mean query and (centered) key energies ``(B, H, D)``."""
+        sq = self._pair_mean(q_energy)
+        sk = self._pair_mean(k_energy)
+        # Regularize channels without energy (a few calibration tokens) relative to
+        # the head's mean energy.
+        sq = sq + 1e-3 * mx.mean(sq, axis=-1, keepdims=True) + 1e-30
+        sk = sk + 1e-3 * mx.mean(sk, axis=-1, keepdims=True) + 1e-30
+        r = mx.sqrt(sq / sk)
+        a2 = r / mx.mean(r, axis=-1, keepdims=True)
+        lim = float(self.key_scale_max) ** 2
+        a2 = mx.clip(a2, 1.0 / lim, lim)
+        a2 = mx.where(mx.isfinite(a2), a2, 1.0)
+        return mx.sqrt(a2)[:, :, None, :]
+
+    def _calibrate(self):
+        """Fixes ``mu`` and ``a`` from the held tokens and the queries seen, then
+        stores the held tokens as the calibrated layout says (module docstring)."""
+        S = self.fp16_sink_tokens
+        n = self._held_tokens()
+        hk, hv = self._win_k, self._win_v
+        if n:
+            k = hk.astype(mx.float32)
+            if self.center:
+                self._mu_k = mx.mean(k, axis=2, keepdims=True)
+                self._mu_v = mx.mean(hv.astype(mx.float32), axis=2, keepdims=True)
+                k = k - self._mu_k
+            if self.query_aware_keys and self._q_count:
+                self._key_scale = self._key_scale_from(
+                    self._q_energy / self._q_count, mx.mean(k * k, axis=2)
+                )
+        self._calibrated = True
+        self._q_energy, self._q_count = None, 0
+        self._win_k = self._win_v = None
+        self._win_start = S
+        self._n_comp = 0
+        if n:
+            self._store(hk, hv, S)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Stores new tokens ``(B, H_kv, L, D)`` and returns them unchanged.
@@ -306,6 +510,8 @@ class TurboQuantKVCache(_BaseCache):
             self.window_dtype = keys.dtype if keys.dtype in half else mx.float16
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
+        if not self._calibrated and self._held_tokens() >= self.calibration_tokens:
+            self._calibrate()  # no attention call came since those tokens arrived
         L = keys.shape[2]
         P = self.offset
         S = self.fp16_sink_tokens
@@ -315,34 +521,46 @@ class TurboQuantKVCache(_BaseCache):
             self._sink_k = _cat(self._sink_k, keys[:, :, :t])
             self._sink_v = _cat(self._sink_v, values[:, :, :t])
         if t < L:
-            rk = keys[:, :, t:] if t else keys
-            rv = values[:, :, t:] if t else values
-            R = self.fp16_recent_tokens
-            if R == 0:
-                self._quantize(rk, rv)
-                self._win_start = P + L
-            else:
-                # The window buffer covers positions [win_start, P + t); with the new
-                # tokens, [win_start, P + L).
-                ck = rk if _is_empty(self._win_k) else mx.concatenate([self._win_k, rk], axis=2)
-                cv = rv if _is_empty(self._win_v) else mx.concatenate([self._win_v, rv], axis=2)
-                first = S + self._n_comp  # first position not yet quantized
-                end = P + L - R  # positions before this leave the window
-                if end > first:
-                    i0 = first - self._win_start
-                    self._quantize(ck[:, :, i0 : i0 + end - first], cv[:, :, i0 : i0 + end - first])
-                keep_from = max(self._win_start, P + L - self._window_capacity)
-                drop = keep_from - self._win_start
-                self._win_k = mx.contiguous(ck[:, :, drop:] if drop else ck)
-                self._win_v = mx.contiguous(cv[:, :, drop:] if drop else cv)
-                self._win_start = keep_from
+            self._store(keys[:, :, t:] if t else keys, values[:, :, t:] if t else values, P + t)
         self.offset = P + L
         return given
+
+    def _store(self, rk: mx.array, rv: mx.array, P: int):
+        """Stores non-sink tokens at positions ``[P, P + n)`` (``P`` = tokens held so far)."""
+        n = rk.shape[2]
+        S = self.fp16_sink_tokens
+        if not self._calibrated:
+            # Everything non-sink stays unquantized in the window buffer, from S.
+            self._win_k = _cat(self._win_k, rk)
+            self._win_v = _cat(self._win_v, rv)
+            self._win_start = S
+            return
+        R = self.fp16_recent_tokens
+        if R == 0:
+            self._quantize(rk, rv)
+            self._win_start = P + n
+            return
+        # The window buffer covers positions [win_start, P); with the new tokens,
+        # [win_start, P + n).
+        ck = rk if _is_empty(self._win_k) else mx.concatenate([self._win_k, rk], axis=2)
+        cv = rv if _is_empty(self._win_v) else mx.concatenate([self._win_v, rv], axis=2)
+        first = S + self._n_comp  # first position not yet quantized
+        end = P + n - R  # positions before this leave the window
+        if end > first:
+            i0 = first - self._win_start
+            self._quantize(ck[:, :, i0 : i0 + end - first], cv[:, :, i0 : i0 + end - first])
+        keep_from = max(self._win_start, P + n - self._window_capacity)
+        drop = keep_from - self._win_start
+        self._win_k = mx.contiguous(ck[:, :, drop:] if drop else ck)
+        self._win_v = mx.contiguous(cv[:, :, drop:] if drop else cv)
+        self._win_start = keep_from
 
     def _layout(self):
         """``(ns, c, wpos)``: sink count, compressed tokens in use, window start."""
         S = self.fp16_sink_tokens
         ns = 0 if self._sink_k is None else self._sink_k.shape[2]
+        if not self._calibrated:
+            return ns, 0, S
         if self.fp16_recent_tokens == 0:
             c = max(0, self.offset - S)
         else:
@@ -386,6 +604,10 @@ class TurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} mask covers {mask.shape[-1]} keys but the cache holds "
                 f"{self.offset} tokens."
             )
+        if not self._calibrated:
+            self._observe_queries(queries)
+            if self._held_tokens() >= self.calibration_tokens:
+                self._calibrate()
         if L <= self.decode_max_queries:
             out = self._attend_decode(queries, scale, mask, sinks)
         else:
@@ -449,6 +671,38 @@ class TurboQuantKVCache(_BaseCache):
         lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
         return mx.zeros((B, n_q, L, D), dtype=mx.float32), lse
 
+    def _compressed_queries(self, q: mx.array) -> mx.array:
+        """Rotated queries for the compressed segment (divided by ``a`` first)."""
+        if self._key_scale is not None:
+            B, n_q, L, D = q.shape
+            H = self._batch_heads[1]
+            q = q.astype(mx.float32).reshape(B, H, n_q // H, L, D) / self._key_scale[:, :, None]
+            q = q.reshape(B, n_q, L, D)
+        return self._rotation.forward(q)
+
+    def _compressed_result(self, out_rot: mx.array, lse: mx.array, q: mx.array, scale: float):
+        """``(out, lse)`` of the compressed segment in the model's space, from the op's
+        rotated output and lse on the stored (centered, scaled) keys and values.
+
+        Centering shifted every score of a query by ``-scale * (q . mu_k)`` and every
+        value by ``-mu_v``; the normalized output of a softmax is unchanged by the
+        former and a convex combination, so ``mu_v`` comes back as is.
+        """
+        # The rotation acts on the value accumulation only (the keys' is in the queries).
+        out = self._rotation.inverse(out_rot) if self.rotate_values else out_rot
+        if self._mu_k is None:
+            return out, lse
+        B, n_q, L, D = q.shape
+        H = self._batch_heads[1]
+        G = n_q // H
+        qg = q.astype(mx.float32).reshape(B, H, G, L, D)
+        shift = (qg @ self._mu_k[:, :, None].swapaxes(-1, -2))[..., 0]  # (B, H, G, L)
+        lse = lse + scale * shift.reshape(B, n_q, L)
+        seen = (lse > float("-inf"))[..., None]  # rows without a visible key stay 0
+        out = out.reshape(B, H, G, L, D) + self._mu_v[:, :, None]
+        out = mx.where(seen, out.reshape(B, n_q, L, D), 0.0)
+        return out, lse
+
     def _attend_decode(self, queries, scale, mask, sinks):
         L = queries.shape[2]
         q0 = self.offset - L
@@ -460,10 +714,10 @@ class TurboQuantKVCache(_BaseCache):
             # tokens only, attend to them dequantized.
             k, v = self._dequantized_rotated(0, c)
             out, lse = dense_attention(
-                self._rotation.forward(queries), k, v, scale,
+                self._compressed_queries(queries), k, v, scale,
                 self._segment_mask(mask, S, c, q0, L),
             )
-            parts.append((self._rotation.inverse(out), lse))
+            parts.append(self._compressed_result(out, lse, queries, scale))
         elif c > 0:
             causal, op_mask = False, None
             if isinstance(mask, str) and wpos == self.offset:
@@ -471,12 +725,12 @@ class TurboQuantKVCache(_BaseCache):
             else:
                 op_mask = self._segment_mask(mask, S, c, q0, L)
             out, lse = ops.compressed_attention(
-                self._rotation.forward(queries),
+                self._compressed_queries(queries),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
                 self._k_centroids, self._v_centroids,
                 c, scale, self.key_bits, self.value_bits, causal, op_mask,
             )
-            parts.append((self._rotation.inverse(out), lse))
+            parts.append(self._compressed_result(out, lse, queries, scale))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
@@ -514,9 +768,18 @@ class TurboQuantKVCache(_BaseCache):
         return k, v
 
     def _dequantized(self, start, length, dtype):
-        """Keys and values of compressed tokens ``[start, start+length)``, unrotated."""
+        """Keys and values of compressed tokens ``[start, start+length)`` in the model's
+        space (unrotated, unscaled, mean added back)."""
         k, v = self._dequantized_rotated(start, length)
-        return self._rotation.inverse(k).astype(dtype), self._rotation.inverse(v).astype(dtype)
+        k = self._rotation.inverse(k)
+        if self.rotate_values:
+            v = self._rotation.inverse(v)
+        if self._key_scale is not None:
+            k = k / self._key_scale
+        if self._mu_k is not None:
+            k = k + self._mu_k
+            v = v + self._mu_v
+        return k.astype(dtype), v.astype(dtype)
 
     def _attend_chunk(self, q, q0, scale, mask, sinks, block):
         """Attention of queries at positions ``[q0, q0+Lq)`` (prefill path)."""
@@ -554,7 +817,7 @@ class TurboQuantKVCache(_BaseCache):
 
         parts = self._dense_parts(q, scale, mask, q0, key_end)
         if n_comp:
-            q_rot = self._rotation.forward(q)
+            q_rot = self._compressed_queries(q)
             acc = None
             for b0 in range(0, n_comp, block):
                 n = min(block, n_comp - b0)
@@ -566,7 +829,7 @@ class TurboQuantKVCache(_BaseCache):
                     # block's dequantization would run before the first merge and the
                     # temporaries would add up to a full-precision copy of the layer.
                     mx.eval(acc)
-            parts.append((self._rotation.inverse(acc[0]), acc[1]))
+            parts.append(self._compressed_result(acc[0], acc[1], q, scale))
         if sinks is not None:
             parts.append(self._sink_part(sinks, q))
         return merge_attention(parts)[0]
@@ -621,6 +884,10 @@ class TurboQuantKVCache(_BaseCache):
         fp16 window is used, or when ``n <= rollback_tokens`` since the last time
         the window lost tokens to a trim; beyond that, tokens that should be back
         in the fp16 window are only available quantized and are used as such.
+        Before calibration (``center``/``query_aware_keys``) every token is held
+        unquantized and trimmed exactly, but the query energies accumulated for
+        calibration keep the contribution of queries at trimmed positions.
+        The calibration itself (``mu``, ``a``) is never undone.
         """
         n = max(0, min(int(n), self.offset))
         if n == 0:
@@ -634,7 +901,7 @@ class TurboQuantKVCache(_BaseCache):
                 self._sink_k = self._sink_k[:, :, :new]
                 self._sink_v = self._sink_v[:, :, :new]
         self._n_comp = min(self._n_comp, max(0, new - S))
-        if self.fp16_recent_tokens == 0 or new <= self._win_start:
+        if (self.fp16_recent_tokens == 0 and self._calibrated) or new <= self._win_start:
             self._win_k = self._win_v = None
             self._win_start = max(S, new)
         else:
@@ -649,8 +916,11 @@ class TurboQuantKVCache(_BaseCache):
         arrays = (
             self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._sink_k, self._sink_v, self._win_k, self._win_v,
-        )
+        ) + self._lever_arrays()
         return sum(a.nbytes for a in arrays if a is not None)
+
+    def _lever_arrays(self):
+        return (self._mu_k, self._mu_v, self._key_scale, self._q_energy)
 
     @property
     def used_nbytes(self) -> int:
@@ -662,7 +932,7 @@ class TurboQuantKVCache(_BaseCache):
             wk = ops.words_per_token(self._head_dim, self.key_bits)
             wv = ops.words_per_token(self._head_dim, self.value_bits)
             total += B * H * n * (4 * (wk + wv) + 2 * 2)
-        for a in (self._sink_k, self._sink_v, self._win_k, self._win_v):
+        for a in (self._sink_k, self._sink_v, self._win_k, self._win_v) + self._lever_arrays():
             if a is not None:
                 total += a.nbytes
         return total
@@ -681,6 +951,9 @@ class TurboQuantKVCache(_BaseCache):
             _FORMAT_VERSION, self.key_bits, self.value_bits, self.seed,
             self.fp16_sink_tokens, self.fp16_recent_tokens, self.rollback_tokens,
             self.offset, self._n_comp, self._win_start,
+            int(self.center), int(self.query_aware_keys),
+            _ROPE_PAIRINGS.index(self.rope_pairing), self.rope_dims,
+            self.calibration_tokens, int(self._calibrated), self._q_count,
         ]
 
     def _state_arrays(self) -> List[mx.array]:
@@ -696,13 +969,14 @@ class TurboQuantKVCache(_BaseCache):
             a if not _is_empty(a) else _empty(mx.float16)
             for a in (self._sink_k, self._sink_v, self._win_k, self._win_v)
         ]
-        return comp + dense
+        levers = [a if a is not None else _empty(mx.float32) for a in self._lever_arrays()]
+        return comp + dense + levers
 
     @property
     def state(self):
-        """Arrays (compressed segment, sinks, window), then the configuration integers.
-
-        With mlx-lm versions that use ``meta_state``, only the arrays.
+        """Arrays (compressed segment, sinks, window, lever statistics), then the
+        configuration integers (docs/ARCHITECTURE.md). With mlx-lm versions that use
+        ``meta_state``, only the arrays.
         """
         arrays = self._state_arrays()
         if _LEGACY_META_STATE:
@@ -714,10 +988,15 @@ class TurboQuantKVCache(_BaseCache):
         if not hasattr(self, "prefill_budget_bytes"):
             self._init_runtime()
         v = list(v)
-        if len(v) == _N_ARRAYS + len(_CONFIG_FIELDS):
-            self._apply_config(v[_N_ARRAYS:])
-            self._set_arrays(v[:_N_ARRAYS])
-        elif len(v) == _N_ARRAYS:
+        layouts = {
+            _N_ARRAYS + len(_CONFIG_FIELDS): _N_ARRAYS,
+            _N_ARRAYS_V1 + len(_CONFIG_FIELDS_V1): _N_ARRAYS_V1,
+        }
+        if len(v) in layouts:
+            n = layouts[len(v)]
+            self._apply_config(v[n:])
+            self._set_arrays(v[:n])
+        elif len(v) in (_N_ARRAYS, _N_ARRAYS_V1):
             if hasattr(self, "key_bits") and getattr(self, "_config_set", False):
                 self._set_arrays(v)
             else:
@@ -725,7 +1004,8 @@ class TurboQuantKVCache(_BaseCache):
         else:
             raise ValueError(
                 f"{_PREFIX} a state has {_N_ARRAYS} arrays and optionally "
-                f"{len(_CONFIG_FIELDS)} integers; got {len(v)} entries."
+                f"{len(_CONFIG_FIELDS)} integers (format 1: {_N_ARRAYS_V1} and "
+                f"{len(_CONFIG_FIELDS_V1)}); got {len(v)} entries."
             )
 
     @property
@@ -744,32 +1024,47 @@ class TurboQuantKVCache(_BaseCache):
 
     def _apply_config(self, values):
         values = list(values)
-        if len(values) != len(_CONFIG_FIELDS):
-            raise ValueError(
-                f"{_PREFIX} expected {len(_CONFIG_FIELDS)} configuration values "
-                f"{_CONFIG_FIELDS}, got {len(values)}."
-            )
         try:
-            cfg = dict(zip(_CONFIG_FIELDS, (int(x.item() if isinstance(x, mx.array) else x) for x in values)))
+            ints = [int(x.item() if isinstance(x, mx.array) else x) for x in values]
         except (TypeError, ValueError) as e:
             raise ValueError(f"{_PREFIX} configuration values must be integers: {e}") from e
-        if cfg["format_version"] != _FORMAT_VERSION:
+        version = ints[0] if ints else None
+        fields = {1: _CONFIG_FIELDS_V1, _FORMAT_VERSION: _CONFIG_FIELDS}.get(version)
+        if fields is None:
             raise ValueError(
-                f"{_PREFIX} unsupported state format version {cfg['format_version']} "
-                f"(this build reads version {_FORMAT_VERSION})."
+                f"{_PREFIX} unsupported state format version {version} "
+                f"(this build reads versions 1 and {_FORMAT_VERSION})."
             )
+        if len(ints) != len(fields):
+            raise ValueError(
+                f"{_PREFIX} expected {len(fields)} configuration values "
+                f"{fields}, got {len(ints)}."
+            )
+        cfg = dict(zip(fields, ints))
+        pairing = cfg.get("rope_pairing", 1)
+        if not 0 <= pairing < len(_ROPE_PAIRINGS):
+            raise ValueError(f"{_PREFIX} unknown rope_pairing code {pairing}.")
         self._configure(
             cfg["key_bits"], cfg["value_bits"], cfg["seed"], cfg["fp16_sink_tokens"],
             cfg["fp16_recent_tokens"], cfg["rollback_tokens"],
+            cfg.get("center", 0), cfg.get("query_aware_keys", 0), _ROPE_PAIRINGS[pairing],
+            cfg.get("rope_dims", 0), cfg.get("calibration_tokens", 32),
         )
         self._reset_storage()
         self.offset = _check_int("offset", cfg["offset"])
         self._n_comp = _check_int("n_compressed", cfg["n_compressed"])
         self._win_start = _check_int("window_start", cfg["window_start"])
+        self._calibrated = bool(cfg.get("calibrated", 1))
+        if not (self.center or self.query_aware_keys) and not self._calibrated:
+            raise ValueError(f"{_PREFIX} inconsistent state: uncalibrated without levers.")
+        self._q_count = _check_int("query_count", cfg.get("query_count", 0))
         self._config_set = True
 
     def _set_arrays(self, arrays):
-        kc, ks, vc, vs, sk, sv, wk, wv = [None if _is_empty(a) else a for a in arrays]
+        arrays = list(arrays) + [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
+        kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
+            None if _is_empty(a) else a for a in arrays
+        ]
         S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
         off, n = self.offset, self._n_comp
 
@@ -777,9 +1072,15 @@ class TurboQuantKVCache(_BaseCache):
             return ValueError(f"{_PREFIX} inconsistent state: {msg}.")
 
         shapes = [a.shape for a in (kc, sk, wk) if a is not None]
+        if (qe is None) != (self._q_count == 0) or (qe is not None and self._calibrated):
+            raise bad("query energies do not match the query count")
         if off == 0:
             if any(a is not None for a in (kc, ks, vc, vs, sk, sv, wk, wv)):
                 raise bad("arrays present in an empty cache")
+            if not self._calibrated and (mk is not None or ka is not None):
+                raise bad("lever statistics in an uncalibrated cache")
+            # A cache trimmed to nothing keeps its calibration (or query energies).
+            self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
             return
         if not shapes:
             raise bad(f"offset {off} but no arrays")
@@ -815,7 +1116,12 @@ class TurboQuantKVCache(_BaseCache):
         elif any(a is not None for a in (kc, ks, vc, vs)):
             raise bad("compressed arrays without compressed tokens")
         nw = 0 if wk is None else wk.shape[2]
-        if R == 0:
+        if not self._calibrated:
+            if n or self._win_start != S or nw != max(0, off - S):
+                raise bad("an uncalibrated cache holds every non-sink token in its window")
+            if mk is not None or mv is not None or ka is not None:
+                raise bad("lever statistics in an uncalibrated cache")
+        elif R == 0:
             if nw or n != max(0, off - S):
                 raise bad("window tokens or missing compressed tokens without a window")
         else:
@@ -826,9 +1132,20 @@ class TurboQuantKVCache(_BaseCache):
         for a in (sk, sv, wk, wv):
             if a is not None and (a.shape[0], a.shape[1], a.shape[3]) != (B, H, head_dim):
                 raise bad(f"fp16 segment of shape {tuple(a.shape)}")
+        lever_shape = (B, H, 1, head_dim)
+        if (mk is None) != (mv is None) or (mk is not None and not self.center):
+            raise bad("key and value means must come together, with center")
+        if ka is not None and not self.query_aware_keys:
+            raise bad("a key scale without query_aware_keys")
+        for a in (mk, mv, ka):
+            if a is not None and (a.shape != lever_shape or a.dtype != mx.float32):
+                raise bad(f"lever array of shape {tuple(a.shape)} / {a.dtype}")
+        if qe is not None and (qe.shape != (B, H, head_dim) or qe.dtype != mx.float32):
+            raise bad(f"query energies of shape {tuple(qe.shape)}")
         self._k_codes, self._k_scales, self._v_codes, self._v_scales = kc, ks, vc, vs
         self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
-        if R == 0:
+        self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
+        if self._calibrated and R == 0:
             self._win_start = max(S, off)
 
     @classmethod
@@ -863,7 +1180,8 @@ class TurboQuantKVCache(_BaseCache):
         return (
             f"TurboQuantKVCache(key_bits={self.key_bits}, value_bits={self.value_bits}, "
             f"seed={self.seed}, fp16_sink_tokens={self.fp16_sink_tokens}, "
-            f"fp16_recent_tokens={self.fp16_recent_tokens}, offset={self.offset})"
+            f"fp16_recent_tokens={self.fp16_recent_tokens}, center={self.center}, "
+            f"query_aware_keys={self.query_aware_keys}, offset={self.offset})"
         )
 
 
@@ -888,6 +1206,8 @@ class KVPreset:
         fp16_recent_tokens: Window of most recent tokens kept unquantized.
         fp16_layers: ``(first_n, last_n)``: that many of the first and last
             compressible layers keep mlx-lm's plain ``KVCache``.
+        center: Mean-centered compressed keys and values (TurboQuantKVCache).
+        query_aware_keys: Query-aware key scaling (TurboQuantKVCache).
         description: One line for ``--help`` and tables.
     """
 
@@ -897,6 +1217,8 @@ class KVPreset:
     fp16_sink_tokens: int = 0
     fp16_recent_tokens: int = 0
     fp16_layers: Tuple[int, int] = (0, 0)
+    center: bool = False
+    query_aware_keys: bool = False
     description: str = ""
 
     @property
@@ -910,11 +1232,13 @@ class KVPreset:
         num_layers: Optional[int] = None,
         rollback_tokens: int = 16,
         dense_bits: int = 16,
+        calibration_tokens: int = 32,
     ) -> float:
         """Average stored bits per cached coordinate (keys and values together).
 
         Counts codes, the float16 scale of every compressed vector, the fp16 sink
-        tokens and window (with its rollback slack, which is held twice) and, when
+        tokens and window (with its rollback slack, which is held twice), the
+        levers' float32 vectors per KV head (``mu_k``, ``mu_v``, ``a``) and, when
         ``num_layers`` is given, the fp16 boundary layers. Buffer capacity rounding
         is not counted.
 
@@ -926,6 +1250,8 @@ class KVPreset:
             rollback_tokens: The caches' rollback slack (see TurboQuantKVCache).
             dense_bits: Bits per element of unquantized storage (16; 32 for a
                 float32 model).
+            calibration_tokens: The caches' ``calibration_tokens``: with a lever,
+                fewer non-sink tokens than that are all held unquantized.
         """
         if context <= 0:
             raise ValueError(f"{_PREFIX} context must be positive, got {context}.")
@@ -934,10 +1260,16 @@ class KVPreset:
         sinks = min(self.fp16_sink_tokens, context)
         rest = context - sinks
         window = min(self.fp16_recent_tokens, rest)
+        levers = self.center or self.query_aware_keys
+        calibrated = not levers or rest >= calibration_tokens
+        if not calibrated:
+            window = rest  # nothing is quantized before calibration
         n_comp = rest - window
         slack = min(rollback_tokens, n_comp) if self.fp16_recent_tokens else 0
         per_token_comp = (head_dim * self.key_bits + 16) + (head_dim * self.value_bits + 16)
         bits = n_comp * per_token_comp + (sinks + window + slack) * 2 * head_dim * dense_bits
+        if levers and calibrated:
+            bits += (2 * self.center + self.query_aware_keys) * head_dim * 32
         layer_bits = bits / (2 * head_dim * context)
         if num_layers is None:
             return layer_bits
@@ -949,41 +1281,52 @@ class KVPreset:
 # The preset table: edit here (values are to be tuned on bench/quality.py results).
 _PRESET_LIST = [
     KVPreset("fp16", None, None, description="no compression (mlx-lm's own caches)"),
-    KVPreset("tq4", 4, 4, description="4-bit keys and values"),
-    KVPreset("tq3", 3, 3, description="3-bit keys and values"),
-    KVPreset("k4v3", 4, 3, description="4-bit keys, 3-bit values"),
-    KVPreset("k4v2", 4, 2, description="4-bit keys, 2-bit values"),
+    # Headline presets; chosen on bench/quality.py perplexities (SmolLM2-135M).
+    KVPreset(
+        "tq4", 4, 4, fp16_sink_tokens=4, center=True,
+        description="4-bit keys and values, mean-centered, first 4 tokens (sinks) in fp16",
+    ),
+    # The 3-bit class (<= 3.5 bits): keys are where quality breaks, so 4-bit keys and
+    # 2-bit values (3.25 bits) beat 3-bit keys and values on SmolLM2-135M.
+    KVPreset(
+        "tq3", 4, 2, fp16_sink_tokens=4, center=True,
+        description="4-bit keys, 2-bit values, mean-centered, 4 fp16 sinks (3.3 bits)",
+    ),
+    KVPreset(
+        "k3v3", 3, 3, fp16_sink_tokens=4, center=True, query_aware_keys=True,
+        description="3-bit keys and values, mean-centered, query-aware keys, 4 fp16 sinks",
+    ),
+    KVPreset(
+        "k4v3", 4, 3, fp16_sink_tokens=4, center=True,
+        description="4-bit keys, 3-bit values, mean-centered, 4 fp16 sinks",
+    ),
+    # Ablations: the plain codec, and with fp16 sinks only.
+    KVPreset("tq4-plain", 4, 4, description="plain TurboQuant: 4-bit keys and values"),
+    KVPreset("tq3-plain", 3, 3, description="plain TurboQuant: 3-bit keys and values"),
     KVPreset(
         "tq4-sink", 4, 4, fp16_sink_tokens=4,
-        description="4-bit, first 4 tokens (attention sinks) in fp16",
+        description="plain 4-bit, first 4 tokens (attention sinks) in fp16",
     ),
     KVPreset(
         "tq3-sink", 3, 3, fp16_sink_tokens=4,
-        description="3-bit, first 4 tokens (attention sinks) in fp16",
+        description="plain 3-bit, first 4 tokens (attention sinks) in fp16",
     ),
-    KVPreset(
-        "k4v3-sink", 4, 3, fp16_sink_tokens=4,
-        description="4-bit keys, 3-bit values, first 4 tokens in fp16",
-    ),
+    # More fp16 (over the 4.5 / 3.5-bit budgets at a few thousand tokens).
     KVPreset(
         "tq4-plus", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
-        description="4-bit, fp16 sinks (4), recent window (64), first and last layer",
+        center=True,
+        description="tq4 with a recent window (64) and the first and last layer in fp16",
     ),
     KVPreset(
-        "tq3-plus", 3, 3, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
-        description="3-bit, fp16 sinks (4), recent window (64), first and last layer",
-    ),
-    KVPreset(
-        "k4v3-plus", 4, 3, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
-        description="4-bit keys, 3-bit values, fp16 sinks, recent window, boundary layers",
+        "tq3-plus", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        center=True,
+        description="tq3 with a recent window (64) and the first and last layer in fp16",
     ),
 ]
 PRESETS: Dict[str, KVPreset] = {p.name: p for p in _PRESET_LIST}
 
-# What the command-line generator uses unless told otherwise. On SmolLM2-135M (head
-# dim 64) plain 4-bit derails short chats, while fp16 attention sinks keep them on
-# track; revisit with the quality table.
-DEFAULT_PRESET = "tq4-sink"
+# What the command-line generator uses unless told otherwise.
+DEFAULT_PRESET = "tq4"
 
 
 def get_preset(name: Union[str, KVPreset]) -> KVPreset:
@@ -1020,6 +1363,21 @@ def _uses_mlx_lm_attention(model) -> bool:
     return any(module_uses_hook(n) for n in names)
 
 
+def _rope_pairing_of(model) -> Dict[str, Any]:
+    """``rope_pairing``/``rope_dims`` of the model's first RoPE module (mlx-lm's RoPE
+    classes have ``traditional`` and ``dims``); mlx-lm's default if none is found."""
+    try:
+        modules = model.named_modules()
+    except AttributeError:
+        modules = []
+    for _, m in modules:
+        traditional = getattr(m, "traditional", None)
+        dims = getattr(m, "dims", None)
+        if isinstance(traditional, bool) and isinstance(dims, (int, np.integer)):
+            return dict(rope_pairing="interleaved" if traditional else "half", rope_dims=int(dims))
+    return dict(rope_pairing="half", rope_dims=0)
+
+
 def _fp16_layer_set(spec, compressible: List[int], num_caches: int) -> set:
     if spec is None:
         return set()
@@ -1051,12 +1409,14 @@ def _override_config(spec, base: Dict[str, Any], layer: int) -> Optional[Dict[st
         return dict(
             base, key_bits=p.key_bits, value_bits=p.value_bits,
             fp16_sink_tokens=p.fp16_sink_tokens, fp16_recent_tokens=p.fp16_recent_tokens,
+            center=p.center, query_aware_keys=p.query_aware_keys,
         )
     if isinstance(spec, tuple) and len(spec) == 2:
         return dict(base, key_bits=spec[0], value_bits=spec[1])
     if isinstance(spec, Mapping):
         unknown = set(spec) - {
-            "key_bits", "value_bits", "fp16_sink_tokens", "fp16_recent_tokens", "rollback_tokens"
+            "key_bits", "value_bits", "fp16_sink_tokens", "fp16_recent_tokens", "rollback_tokens",
+            "center", "query_aware_keys", "calibration_tokens",
         }
         if unknown:
             raise ValueError(f"{_PREFIX} layer {layer} override has unknown keys {sorted(unknown)}.")
@@ -1082,6 +1442,10 @@ def make_prompt_cache(
     rollback_tokens: int = 16,
     prefill_budget_bytes: Optional[int] = None,
     window_dtype: Optional[mx.Dtype] = None,
+    center: Optional[bool] = None,
+    query_aware_keys: Optional[bool] = None,
+    calibration_tokens: int = 32,
+    rope_pairing: Optional[str] = None,
 ) -> List[Any]:
     """Builds the model's prompt cache with TurboQuant compression.
 
@@ -1089,7 +1453,10 @@ def make_prompt_cache(
     honouring ``max_kv_size`` exactly as ``mlx_lm.models.cache.make_prompt_cache``
     does) are made first; then every plain ``KVCache`` (full attention) is replaced
     by a :class:`TurboQuantKVCache`, except fp16 layers. Linear-attention and
-    sliding-window caches are kept. Installs the attention hook.
+    sliding-window caches are kept. Installs the attention hook. On a model folded
+    by :func:`turboquant_mlx.fold.fold_value_rotation`, folded layers get
+    ``rotate_values=False``, and caches that do not match the fold (other seed, an
+    uncompressed cache on a folded layer) raise ``turboquant_mlx.fold.ValueFoldError``.
 
     Args:
         model: An mlx-lm model.
@@ -1105,8 +1472,13 @@ def make_prompt_cache(
             dict of :class:`TurboQuantKVCache` arguments. Only for compressible layers.
         max_kv_size: Passed to mlx-lm's factory (rotating caches stay uncompressed).
         seed: Base seed of the per-layer rotations (:func:`layer_seed`).
-        rollback_tokens, prefill_budget_bytes, window_dtype: See
+        rollback_tokens, prefill_budget_bytes, window_dtype, calibration_tokens: See
             :class:`TurboQuantKVCache`.
+        center, query_aware_keys: Override the preset's levers.
+        rope_pairing: ``"half"``, ``"interleaved"`` or ``"none"``; default: read
+            from the model's RoPE modules (``traditional`` RoPE pairs adjacent
+            channels, mlx-lm's default pairs ``i`` with ``i + dims/2``), with their
+            ``dims`` as ``rope_dims`` (partial RoPE).
 
     Returns:
         A list with one cache per layer, usable with ``mlx_lm.generate``,
@@ -1126,7 +1498,14 @@ def make_prompt_cache(
         fp16_sink_tokens=p.fp16_sink_tokens if fp16_sink_tokens is None else fp16_sink_tokens,
         fp16_recent_tokens=p.fp16_recent_tokens if fp16_recent_tokens is None else fp16_recent_tokens,
         rollback_tokens=rollback_tokens,
+        center=p.center if center is None else bool(center),
+        query_aware_keys=p.query_aware_keys if query_aware_keys is None else bool(query_aware_keys),
+        calibration_tokens=calibration_tokens,
     )
+    if rope_pairing is None:
+        base.update(_rope_pairing_of(model))
+    else:
+        base.update(rope_pairing=rope_pairing, rope_dims=0)
 
     caches = list(_mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size))
     compressible = [i for i, c in enumerate(caches) if type(c) is KVCache]
@@ -1145,8 +1524,11 @@ def make_prompt_cache(
             )
         configs[j] = _override_config(spec, dict(base), j)
 
+    # A model whose W_v/W_o carry the value rotation (turboquant_mlx.fold) gets caches
+    # that do not rotate values on its folded layers, and refuses caches that do not fit.
+    fold = getattr(model, "turboquant_value_fold", None)
     if not any(cfg is not None for cfg in configs.values()):
-        return caches
+        return _fold_checked(fold, caches)
 
     install_hook()
     if not _uses_mlx_lm_attention(model):
@@ -1156,7 +1538,7 @@ def make_prompt_cache(
             "keeping mlx-lm's caches.",
             stacklevel=2,
         )
-        return caches
+        return _fold_checked(fold, caches)
 
     for i, cfg in configs.items():
         if cfg is None:
@@ -1165,8 +1547,15 @@ def make_prompt_cache(
             raise ValueError(f"{_PREFIX} layer {i}: key_bits and value_bits are required.")
         caches[i] = TurboQuantKVCache(
             seed=layer_seed(seed, i), prefill_budget_bytes=prefill_budget_bytes,
-            window_dtype=window_dtype, **cfg
+            window_dtype=window_dtype, rotate_values=fold is None or not fold.folds(i), **cfg
         )
+    return _fold_checked(fold, caches)
+
+
+def _fold_checked(fold, caches: List[Any]) -> List[Any]:
+    """``caches``, after ``fold.check_prompt_cache`` (raises on a mismatch) if any."""
+    if fold is not None:
+        fold.check_prompt_cache(caches)
     return caches
 
 

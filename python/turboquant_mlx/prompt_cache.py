@@ -101,6 +101,15 @@ def save_prompt_cache(
             )
     metadata.pop(_CHECKSUM_KEY, None)
     metadata[_FORMAT_KEY] = FORMAT_TAG
+    for i, c in enumerate(cache):
+        if not getattr(c, "rotate_values", True):
+            # Its sinks, window and value mean are in a folded model's rotated space,
+            # which the state does not record: loaded into an unfolded model it would
+            # be read as unrotated values.
+            raise PromptCacheError(
+                f"{_PREFIX} layer {i}'s cache serves a model with a folded value rotation "
+                "(rotate_values=False), which the file format does not record; it cannot be saved."
+            )
     arrays, kinds = _flatten_states(cache)
     classes = [type(c).__name__ for c in cache]
     flat_meta = dict(tree_flatten([metadata, classes, kinds]))
