@@ -136,7 +136,7 @@ def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False):
     def make(s):
         q, kc, ks, vc, vs = s
         if kernel_only:
-            qr = rot.forward(q)
+            qr = rot.forward(q).astype(q.dtype)  # half queries: the tensor-core kernel
             mx.eval(qr)
             return lambda: ops.compressed_attention(
                 qr, kc, ks, vc, vs, kc_, vc_, n, scale, kb, vb, True
@@ -144,7 +144,7 @@ def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False):
 
         def step():
             out, _ = ops.compressed_attention(
-                rot.forward(q), kc, ks, vc, vs, kc_, vc_, n, scale, kb, vb, True
+                rot.forward(q).astype(q.dtype), kc, ks, vc, vs, kc_, vc_, n, scale, kb, vb, True
             )
             return rot.inverse(out).astype(q.dtype)
 

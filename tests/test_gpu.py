@@ -320,12 +320,115 @@ def test_attention_fully_masked_rows():
     assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
 
 
+# The CUDA build runs float16 / bfloat16 queries at head dims 64, 128, 256 (key bits >=
+# value bits) on tensor cores: float16 queries and centroids, float16 probabilities,
+# float32 accumulation. Its error against the float64 reference is that of half-precision
+# products (~1e-3 of max |v|), the precision class of MLX's float16 SDPA;
+# TURBOQUANT_CUDA_ATTENTION=simt selects the exact kernel for them.
+TENSOR_CORE_RTOL = 4e-3
+
+
+def tensor_core_path(q_dtype, head_dim, key_bits, value_bits):
+    import os
+
+    return (
+        _ext.gpu_backend() == "cuda"
+        and q_dtype in (mx.float16, mx.bfloat16)
+        and head_dim in (64, 128, 256)
+        and key_bits >= value_bits
+        and os.environ.get("TURBOQUANT_CUDA_ATTENTION") != "simt"
+    )
+
+
+def rtol_for(q_dtype, head_dim, key_bits, value_bits, exact=1e-5):
+    if tensor_core_path(q_dtype, head_dim, key_bits, value_bits):
+        return TENSOR_CORE_RTOL
+    return exact
+
+
+@pytest.mark.parametrize("kernel", ("default", "simt"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_attention_query_dtypes(q_dtype):
+def test_attention_query_dtypes(monkeypatch, q_dtype, kernel):
+    if kernel == "simt":
+        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
     rng = np.random.default_rng(11)
     for kv_len in (50, 5000):
         result = run_attention(rng, q_len=4, kv_len=kv_len, q_dtype=q_dtype, group=8)
-        assert_attention_close(*result)
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
+
+
+HALF_CASES = (
+    # kv_len, group, q_len, causal
+    (1, 1, 1, True),
+    (17, 4, 1, True),
+    (127, 8, 3, False),  # 24 rows: two blocks of 16
+    (4097, 4, 8, True),
+    (20000, 8, 1, True),
+)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("key_bits,value_bits", ((4, 4), (4, 3), (4, 2), (3, 3), (3, 2), (2, 2), (3, 4)))
+def test_attention_half_queries(head_dim, key_bits, value_bits):
+    case = head_dim + 10 * key_bits + value_bits
+    rng = np.random.default_rng(case)
+    for i, (kv_len, group, q_len, causal) in enumerate(HALF_CASES):
+        q_dtype = (mx.float16, mx.bfloat16)[(case + i) % 2]
+        result = run_attention(
+            rng,
+            batch=1 + i % 2,
+            kv_heads=2,
+            group=group,
+            q_len=q_len,
+            kv_len=kv_len,
+            head_dim=head_dim,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            causal=causal,
+            q_dtype=q_dtype,
+        )
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, key_bits, value_bits))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
+def test_attention_half_queries_masks(mask):
+    rng = np.random.default_rng(hash(mask) % 1000)
+    for kv_len, head_dim in ((40, 64), (3001, 128)):
+        result = run_attention(
+            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=True,
+            head_dim=head_dim, q_dtype=mx.float16,
+        )
+        assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
+
+
+@pytest.mark.parametrize("splits", ("1", "3", "64"))
+def test_attention_half_queries_forced_splits(monkeypatch, splits):
+    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    rng = np.random.default_rng(100 + int(splits))
+    for kv_len in (1, 130, 9000):
+        q_len = min(kv_len, 2)
+        result = run_attention(rng, kv_len=kv_len, q_len=q_len, group=4, q_dtype=mx.bfloat16)
+        assert_attention_close(*result, rtol=rtol_for(mx.bfloat16, 128, 4, 4))
+
+
+def test_attention_half_queries_large_magnitude():
+    # bfloat16 queries beyond float16's range: the tensor-core kernel scales them down
+    # by a power of two and the scores back up.
+    rng = np.random.default_rng(77)
+    k_words, k_scales, k_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
+    v_words, v_scales, v_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
+    # scale * log2(e) * |q| reaches ~5e4 (> 2^14): the scaled-down path is taken.
+    q = mx.array(1e5 * rng.standard_normal((1, 8, 1, 128)).astype(np.float32)).astype(mx.bfloat16)
+    scale = 1.0 / math.sqrt(128)
+    out, lse = ops.compressed_attention(
+        q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
+        mx.array(centroids_np(128, 4)), mx.array(centroids_np(128, 4)),
+        64, scale, 4, 4, False, stream=gpu(),
+    )
+    ref_out, ref_lse = reference.attention(to_np(q), k_hat, v_hat, scale, 64, False)
+    out, lse = np.array(out), np.array(lse)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-2)
 
 
 @pytest.mark.parametrize("splits", ("1", "3", "64"))

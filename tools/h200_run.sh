@@ -119,6 +119,23 @@ step_bench() {
   echo "bench done in $((SECONDS - t0)) s"
 }
 
+# A C++ exception raised through the CUDA build's bindings: must surface as a Python
+# error. On a crash, a native backtrace (gdb when the image has it) and the link map.
+step_diag() {
+  export PYTHONPATH=/tmp/site
+  local code='import turboquant_mlx._ext as e
+try:
+    e.words_per_token(64, 1)
+except Exception as x:
+    print("raised", type(x).__name__, x)'
+  python3 -X faulthandler -c "$code" 2>&1 | tail -30 | tee "$OUT/diag.log"
+  echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/diag.log"
+  if command -v gdb >/dev/null; then
+    gdb -q -batch -ex run -ex bt --args python3 -c "$code" 2>&1 | tail -40 >>"$OUT/diag.log"
+  fi
+  ldd /tmp/site/turboquant_mlx/_ext*.so >>"$OUT/diag.log" 2>&1
+}
+
 step_summary() {
   echo "===== summary"
   for f in test suite; do
@@ -143,6 +160,7 @@ for step in "$@"; do
     suite) export PYTHONPATH=/tmp/site; step_suite ;;
     decode) export PYTHONPATH=/tmp/site; step_decode ;;
     summary) step_summary ;;
+    diag) step_diag ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -20,6 +20,9 @@ set(_tq_cuda_sources
     ${CMAKE_CURRENT_LIST_DIR}/attention_f16_hi.cu
     ${CMAKE_CURRENT_LIST_DIR}/attention_bf16_lo.cu
     ${CMAKE_CURRENT_LIST_DIR}/attention_bf16_hi.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d64.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d128.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d256.cu
     ${CMAKE_CURRENT_LIST_DIR}/kernels_misc.cu)
 target_sources(turboquant_core PRIVATE ${_tq_cuda_sources})
 set_source_files_properties(${_tq_cuda_sources} PROPERTIES LANGUAGE CUDA)

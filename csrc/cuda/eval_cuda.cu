@@ -21,6 +21,7 @@
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 
+#include "attention_mma.cuh"
 #include "gpu.h"
 #include "tq_entry.cuh"
 
@@ -57,6 +58,22 @@ CUfunction get_function(const void* symbol, const char* name) {
   auto h = reinterpret_cast<CUfunction>(f);
   cache.emplace(symbol, h);
   return h;
+}
+
+/// Lets `symbol` (one of this module's kernels) use `bytes` of dynamic shared memory
+/// (above the default 48 KiB needs an opt-in); once per kernel.
+void set_max_dynamic_smem(const void* symbol, int bytes) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> done;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = done.find(symbol);
+  if (it != done.end() && it->second >= bytes) {
+    return;
+  }
+  check(
+      cudaFuncSetAttribute(symbol, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+      "cudaFuncSetAttribute");
+  done[symbol] = bytes;
 }
 
 int sm_count(int device) {
@@ -240,6 +257,65 @@ mx::array readable_codes(const mx::array& codes, int dl, int bits, mx::cu::Comma
   return copy;
 }
 
+/// Whether the code rows of `codes` allow the tensor-core kernel's vector loads of
+/// slices of `slice_bits` bits (16-byte loads when a slice is a multiple of 4 words,
+/// 8-byte loads for 2 words).
+bool mma_codes_aligned(const mx::array& codes, int slice_bits) {
+  if (slice_bits % 32 != 0) {
+    return true; // word loads
+  }
+  const int nw = slice_bits / 32;
+  const int vec = nw % 4 == 0 ? 4 : (nw % 2 == 0 ? 2 : 1);
+  if (vec == 1) {
+    return true;
+  }
+  auto addr = reinterpret_cast<uintptr_t>(mx::gpu_ptr<void>(codes));
+  if (addr % (4 * vec) != 0 || codes.strides()[3] != 1) {
+    return false;
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (codes.strides()[a] % vec != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+/// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
+/// float32 queries, head dims other than 64/128/256, value bits above key bits, or
+/// TURBOQUANT_CUDA_ATTENTION=simt.
+const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
+  if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
+    return nullptr;
+  }
+  const char* choice = std::getenv("TURBOQUANT_CUDA_ATTENTION");
+  if (choice != nullptr && std::string(choice) == "simt") {
+    return nullptr;
+  }
+  switch (d) {
+    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb);
+    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb);
+    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb);
+    default: return nullptr;
+  }
+}
+
+/// Splits of the keys so that `target` blocks run at once, each split at least two
+/// block iterations (`step` tokens each) long; returns (splits, split_len).
+std::pair<int, int> key_splits(int kv_len, int units, int target, int step) {
+  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
+  if (splits <= 0) {
+    splits = (target + units - 1) / units;
+  }
+  const int min_split = 2 * step;
+  const int max_splits = std::max(1, (kv_len + min_split - 1) / min_split);
+  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
+  int split_len = (kv_len + splits - 1) / splits;
+  split_len = std::max(step, (split_len + step - 1) / step * step);
+  splits = std::max(1, (kv_len + split_len - 1) / split_len);
+  return {splits, split_len};
+}
+
 } // namespace
 
 bool available() {
@@ -321,9 +397,28 @@ void attention(
     throw std::invalid_argument(
         "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
   }
+  const int kb = ap.key_bits, vb = ap.value_bits;
+  const int rows = (Hq / Hkv) * L;
+  // Tensor-core path (float16/bfloat16 queries): 8 or (head dims <= 128) 16 query rows
+  // per block.
+  const int nrb = rows <= 8 || D > 128 ? 1 : 2;
+  const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb);
   AttnShape sh = attn_shape(D);
-  const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, enc);
-  const mx::array vc = readable_codes(inputs[3], sh.DL, ap.value_bits, enc);
+  mx::array kc = inputs[1];
+  mx::array vc = inputs[3];
+  if (mma_sym != nullptr) {
+    for (auto [codes, bits] : {std::pair{&kc, D / 4 * kb}, std::pair{&vc, D / 8 * vb}}) {
+      if (!mma_codes_aligned(*codes, bits)) {
+        mx::array copy(codes->shape(), codes->dtype(), nullptr, {});
+        take_buffer_copy(*codes, copy, enc);
+        enc.add_temporary(copy);
+        *codes = copy;
+      }
+    }
+  } else {
+    kc = readable_codes(inputs[1], sh.DL, kb, enc);
+    vc = readable_codes(inputs[3], sh.DL, vb, enc);
+  }
 
   allocate(out, enc);
   allocate(lse, enc);
@@ -342,9 +437,10 @@ void attention(
   p.q_len = L;
   p.kv_len = ap.kv_len;
   p.gqa = Hq / Hkv;
-  p.rows = p.gqa * L;
-  const int n_chunks = (p.rows + sh.RC - 1) / sh.RC;
-  p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
+  p.rows = rows;
+  const int chunk_rows = mma_sym != nullptr ? 8 * nrb : sh.RC;
+  const int n_chunks = (p.rows + chunk_rows - 1) / chunk_rows;
+  p.rows_per_tg = mma_sym != nullptr ? chunk_rows : (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
 
@@ -366,28 +462,27 @@ void attention(
     mask_ptr = cptr<unsigned char>(m);
   }
 
-  // Split the keys so that the grid fills the GPU about twice over (2 threadgroups of
-  // ~240 registers per thread fit an SM; measured on an H200: 2-4 per SM beat 8), with
-  // at least two steps per split.
+  // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
+  // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
+  // SM beat 8); tensor-core kernel one resident wave (its occupancy target per SM).
   const int units = B * Hkv * n_chunks;
-  const int target = env_int("TURBOQUANT_ATTN_CTAS", 4 * sm_count(enc.device().cuda_device()));
-  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
-  if (splits <= 0) {
-    splits = (target + units - 1) / units;
+  const int sms = sm_count(enc.device().cuda_device());
+  ck::TQMmaShape msh{0, 0, 0};
+  if (mma_sym != nullptr) {
+    msh = ck::attention_mma_shape(D, kb, vb, nrb);
   }
-  const int min_split = 2 * sh.STEP;
-  const int max_splits = std::max(1, (ap.kv_len + min_split - 1) / min_split);
-  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
-  int split_len = (ap.kv_len + splits - 1) / splits;
-  split_len = std::max(sh.STEP, (split_len + sh.STEP - 1) / sh.STEP * sh.STEP);
-  splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
+  const int target = env_int(
+      "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
+  auto [splits, split_len] =
+      key_splits(ap.kv_len, units, target, mma_sym != nullptr ? msh.step : sh.STEP);
   p.n_splits = splits;
   p.split_len = split_len;
 
   const bool lo = D <= 128;
-  const int kb = ap.key_bits, vb = ap.value_bits;
-  const void* sym = nullptr;
-  switch (q.dtype()) {
+  const void* sym = mma_sym;
+  switch (mma_sym != nullptr ? mx::uint8 : q.dtype()) {
+    case mx::uint8: // tensor-core kernel chosen above
+      break;
     case mx::float32:
       sym = lo ? ck::attention_kernel_f32_lo(D, kb, vb) : ck::attention_kernel_f32_hi(D, kb, vb);
       break;
@@ -447,9 +542,17 @@ void attention(
   float* outp = mptr<float>(out);
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
-  enc.add_kernel_node_ex(
-      f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
-      mask_ptr, outp, lsep, op, mlp, p);
+  if (mma_sym != nullptr) {
+    set_max_dynamic_smem(mma_sym, msh.smem);
+    int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
+    enc.add_kernel_node_ex(
+        f, grid, dim3(TQ_MMA_THREADS), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
+        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
+  } else {
+    enc.add_kernel_node_ex(
+        f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
+        mask_ptr, outp, lsep, op, mlp, p);
+  }
 
   if (splits > 1) {
     auto fm = get_function(ck::attention_merge_kernel(D), "compressed_attention merge");

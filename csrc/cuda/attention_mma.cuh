@@ -1,0 +1,669 @@
+// Attention over the compressed cache on NVIDIA tensor cores (mma.sync m16n8k16,
+// float16 inputs, float32 accumulation): the CUDA fast path for float16 / bfloat16
+// queries and head dims 64, 128, 256. Same contract, grid and split-K partials as
+// tq_attention_impl (metal/tq_kernels.h), which stays the exact path (float32 queries,
+// other head dims, TURBOQUANT_CUDA_ATTENTION=simt) and the one the Metal build runs.
+//
+// Why tensor cores: decoding on CUDA cores spends ~8 FMAs per cached coordinate (GQA
+// rows x keys and values) plus the code extraction, which made the SIMT kernel
+// instruction-bound at ~15-20% of the H200's bandwidth. Here a 16-token tile costs,
+// per warp, D/16 mma for the scores and D/16 for the values, and the codes are turned
+// into float16 pairs by one shared-memory lookup per two coordinates.
+//
+// One warp, one 16-token tile, g = lane / 4, c = lane % 4 (mma fragment coordinates):
+//
+//   scores  S (16 tokens x 8 rows) = K (16 x D) . Q^T (D x 8)        [k = head dim]
+//     A = K: thread holds tokens g and g+8 and, for k-block kb, head-dim slots
+//     2c..2c+1 and 2c+8..2c+9. The head dim is permuted (a dot product does not care)
+//     so that slot 2c+e <- dim c*D/4 + 4kb + e and slot 2c+8+e <- dim c*D/4 + 4kb+2+e:
+//     each thread reads one contiguous D/4-coordinate slice of its two tokens, and
+//     each pair of codes (2*KB bits) indexes a table of float16 centroid pairs.
+//   values  O^T (D x 8 rows) += V^T (D x 16 tokens) . P^T (16 tokens x 8 rows)
+//     A = V^T: thread holds dims g and g+8 of m-block mb for tokens 2c..2c+1 and
+//     2c+8..2c+9; dim slot g <- dim g*D/8 + 2mb, slot g+8 <- g*D/8 + 2mb + 1, so each
+//     thread reads a contiguous D/8 slice of four tokens, and the codes of the same
+//     coordinate of two consecutive tokens index the same pair table.
+//   P moves from the score layout (tokens on g) to the B layout (tokens on c) through
+//   a 16 x rows float16 tile in shared memory; value scales are folded into P.
+//
+// The pair tables live in shared memory with one copy per lane (entry e of lane l at
+// word e*32 + l), so that the 32 lanes' random lookups never share a bank.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "tq_kernels.h" // tq_mask_value, tq_neg_inf, TQAttnParams
+
+namespace turboquant_mlx::cuda_kernels {
+
+/// Warps of a tensor-core attention block.
+#define TQ_MMA_WARPS 4
+#define TQ_MMA_THREADS (TQ_MMA_WARPS * 32)
+
+/// Compile-time shape of the tensor-core kernel for head dim D and NRB blocks of 8 query
+/// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16).
+template <int D, int KB, int VB, int NRB>
+struct TQMmaConfig {
+  static constexpr int KBLK = D / 16; // k-blocks of the score mma = m-blocks of the value mma
+  static constexpr int MT = 1; // 16-token tiles per warp iteration
+  static constexpr int TILE = 16 * MT; // tokens per warp iteration
+  static constexpr int STEP = TQ_MMA_WARPS * TILE; // tokens per block iteration
+  static constexpr int ROWS = 8 * NRB;
+  // resident blocks per SM the registers are budgeted for (no spills at these limits)
+  static constexpr int BLOCKS = D <= 128 ? (NRB == 1 ? 3 : 2) : (NRB == 1 ? 2 : 1);
+  // code words a thread reads per token: keys D/4 coordinates, values D/8
+  static constexpr int KBITS = D / 4 * KB;
+  static constexpr int VBITS = D / 8 * VB;
+  static constexpr int KW = (KBITS + 31) / 32;
+  static constexpr int VW = (VBITS + 31) / 32;
+  // shared memory (bytes): the two pair tables and one P tile per warp; the final
+  // merge reuses it for m, l and o of every warp.
+  static constexpr int KTAB = (1 << (2 * KB)) * 32 * 4;
+  static constexpr int VTAB = (1 << (2 * VB)) * 32 * 4;
+  static constexpr int PTILE = ROWS * 16 * 2;
+  static constexpr int LOOP_SMEM = KTAB + VTAB + TQ_MMA_WARPS * PTILE;
+  static constexpr int MERGE_SMEM = TQ_MMA_WARPS * ROWS * (D + 2) * 4;
+  static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
+};
+
+__device__ __forceinline__ void tq_mma_16816(
+    float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t tq_pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+/// Bits [pos, pos + n) of the little-endian bit stream a[] (pos, n known after
+/// unrolling).
+template <int N>
+__device__ __forceinline__ uint32_t tq_bits_at(const uint32_t* a, int pos) {
+  const int w = pos >> 5, o = pos & 31;
+  uint32_t v = a[w] >> o;
+  if (o + N > 32) {
+    v |= a[w + 1] << (32 - o);
+  }
+  return v & ((1u << N) - 1u);
+}
+
+/// Loads the NBITS code bits of slice `j` (slices of NBITS bits each) of one token
+/// into a[], shifted to start at bit 0. Whole-word slices use 16- or 8-byte loads
+/// (the host guarantees the alignment, see mma_codes_aligned in eval_cuda.cu).
+template <int NBITS>
+__device__ __forceinline__ void tq_load_slice(const uint32_t* __restrict__ tok, int j, uint32_t* a) {
+  constexpr int NW = (NBITS + 31) / 32;
+  if constexpr (NBITS % 32 == 0) {
+    const uint32_t* p = tok + j * NW;
+    if constexpr (NW % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < NW; i += 4) {
+        uint4 v = __ldg(reinterpret_cast<const uint4*>(p + i));
+        a[i] = v.x;
+        a[i + 1] = v.y;
+        a[i + 2] = v.z;
+        a[i + 3] = v.w;
+      }
+    } else if constexpr (NW % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < NW; i += 2) {
+        uint2 v = __ldg(reinterpret_cast<const uint2*>(p + i));
+        a[i] = v.x;
+        a[i + 1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NW; ++i) {
+        a[i] = __ldg(p + i);
+      }
+    }
+  } else {
+    // The slice starts mid-word: read one word more and funnel-shift. Reading past
+    // the token's last word stays inside the buffer except for its very last token,
+    // so the extra word is only read when the slice needs it.
+    const int bit0 = j * NBITS;
+    const int fw = bit0 >> 5;
+    const uint32_t sh = uint32_t(bit0 & 31);
+    uint32_t w[NW + 1];
+#pragma unroll
+    for (int i = 0; i <= NW; ++i) {
+      const int last = (bit0 + NBITS - 1) >> 5;
+      w[i] = fw + i <= last ? __ldg(tok + fw + i) : 0u;
+    }
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      a[i] = __funnelshift_r(w[i], w[i + 1], sh);
+    }
+  }
+}
+
+/// Codes and scales of one warp iteration (MT tiles of 16 tokens), held in registers
+/// one iteration ahead of their use.
+template <int D, int KB, int VB, int NRB>
+struct TQMmaTile {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  uint32_t k[C::MT][2][C::KW]; // tokens g, g+8: key slice c
+  uint32_t v[C::MT][4][C::VW]; // tokens 2c, 2c+1, 2c+8, 2c+9: value slice g
+  float ks[C::MT][2]; // key scales of tokens g, g+8
+  float vs[C::MT][2]; // value scales of tokens g, g+8 (folded into P)
+};
+
+struct TQMmaCache {
+  const uint32_t* kc;
+  const __half* ks;
+  const uint32_t* vc;
+  const __half* vs;
+  int kc_tok, ks_tok, vc_tok, vs_tok;
+};
+
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_load(
+    TQMmaTile<D, KB, VB, NRB>& tl, const TQMmaCache& c, int t0, int t_last, int g, int cc) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+#pragma unroll
+  for (int m = 0; m < C::MT; ++m) {
+    const int tb = t0 + 16 * m;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = min(tb + g + 8 * h, t_last); // past the end: re-read a valid token
+      tq_load_slice<C::KBITS>(c.kc + int64_t(t) * c.kc_tok, cc, tl.k[m][h]);
+      tl.ks[m][h] = __half2float(c.ks[int64_t(t) * c.ks_tok]);
+      tl.vs[m][h] = __half2float(c.vs[int64_t(t) * c.vs_tok]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = min(tb + 2 * cc + (i & 1) + 8 * (i >> 1), t_last);
+      tq_load_slice<C::VBITS>(c.vc + int64_t(t) * c.vc_tok, g, tl.v[m][i]);
+    }
+  }
+}
+
+/// Float16 centroid pair of table entry `idx` for this lane (tab points at the lane's
+/// column of the table).
+__device__ __forceinline__ uint32_t tq_pair(const uint32_t* tab, uint32_t idx) {
+  return tab[idx << 5];
+}
+
+/// Online-softmax state of one thread: rows nb*8 + 2c + {0, 1} for each row block nb.
+template <int D, int NRB>
+struct TQMmaAcc {
+  float o[NRB][D / 16][4]; // value-mma accumulators (dims g / g+8 of m-block mb)
+  float m[NRB][2]; // running max (log2 units), shared by the 8 lanes of a row pair
+  float l[NRB][2]; // this lane's partial sum of exp2(s - m)
+};
+
+/// One warp iteration: MT tiles of 16 tokens starting at t0.
+template <int D, int KB, int VB, int NRB, bool CHECK>
+__device__ __forceinline__ void tq_mma_step(
+    TQMmaAcc<D, NRB>& acc,
+    const TQMmaTile<D, KB, VB, NRB>& tl,
+    const uint32_t (&qf)[NRB][D / 16][2],
+    const uint32_t* ktab,
+    const uint32_t* vtab,
+    __half* ptile,
+    int t0,
+    int t_end,
+    int row0,
+    int b,
+    int kvh,
+    int g,
+    int cc,
+    const unsigned char* mask,
+    const TQAttnParams& p) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  constexpr int KBLK = C::KBLK;
+
+  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8
+  float s[C::MT][NRB][4];
+#pragma unroll
+  for (int m = 0; m < C::MT; ++m) {
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+      s[m][nb][0] = s[m][nb][1] = s[m][nb][2] = s[m][nb][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kb = 0; kb < KBLK; ++kb) {
+      uint32_t a[4];
+      a[0] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb) * KB));
+      a[1] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb) * KB));
+      a[2] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb + 2) * KB));
+      a[3] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb + 2) * KB));
+#pragma unroll
+      for (int nb = 0; nb < NRB; ++nb) {
+        tq_mma_16816(s[m][nb], a, qf[nb][kb][0], qf[nb][kb][1]);
+      }
+    }
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+      s[m][nb][0] *= tl.ks[m][0];
+      s[m][nb][1] *= tl.ks[m][0];
+      s[m][nb][2] *= tl.ks[m][1];
+      s[m][nb][3] *= tl.ks[m][1];
+    }
+    if (CHECK) {
+#pragma unroll
+      for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int tok = t0 + 16 * m + g + 8 * (i >> 1);
+          const int rr = min(row0 + nb * 8 + 2 * cc + (i & 1), p.rows - 1);
+          const int qh = kvh * p.gqa + rr / p.q_len;
+          const int ql = rr % p.q_len;
+          const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
+          bool keep = tok < t_end && tok <= lim;
+          if (p.mask_kind != 0) {
+            bool mk;
+            const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] +
+                ql * p.mask_stride[2] + int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
+            const float add = tq_mask_value(mask, p.mask_kind, at, mk);
+            keep = keep && mk;
+            s[m][nb][i] += add * 1.4426950408889634f;
+          }
+          s[m][nb][i] = keep ? s[m][nb][i] : tq_neg_inf();
+        }
+      }
+    }
+  }
+
+  // ---- online softmax per row (rows 2c, 2c+1 of each row block; the 8 lanes g of a
+  // row pair reduce with xor-shuffles over lane bits 2..4)
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = acc.m[nb][e];
+#pragma unroll
+      for (int m = 0; m < C::MT; ++m) {
+        mx = fmaxf(mx, fmaxf(s[m][nb][e], s[m][nb][e + 2]));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      // mx == -inf: nothing visible yet for this row; keep everything at 0.
+      const float f = mx == tq_neg_inf() ? 1.0f : exp2f(acc.m[nb][e] - mx);
+      acc.m[nb][e] = mx;
+      acc.l[nb][e] *= f;
+#pragma unroll
+      for (int mb = 0; mb < KBLK; ++mb) {
+        acc.o[nb][mb][e] *= f;
+        acc.o[nb][mb][e + 2] *= f;
+      }
+#pragma unroll
+      for (int m = 0; m < C::MT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float sv = s[m][nb][e + 2 * h];
+          const float pv = (CHECK && sv == tq_neg_inf()) ? 0.0f : exp2f(sv - mx);
+          acc.l[nb][e] += pv;
+          s[m][nb][e + 2 * h] = pv * tl.vs[m][h]; // value scale folded into P
+        }
+      }
+    }
+  }
+
+  // ---- values, one 16-token tile at a time
+#pragma unroll
+  for (int m = 0; m < C::MT; ++m) {
+    // P^T to the B layout: ptile[row][token] (float16), row = nb*8 + 2c + e.
+    __syncwarp();
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = nb * 8 + 2 * cc + (i & 1);
+        const int tok = g + 8 * (i >> 1);
+        ptile[row * 16 + tok] = __float2half_rn(s[m][nb][i]);
+      }
+    }
+    __syncwarp();
+    uint32_t pb[NRB][2];
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+      const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * 16);
+      pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
+      pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
+    }
+#pragma unroll
+    for (int mb = 0; mb < KBLK; ++mb) {
+      // coordinate 2mb (dim slot g) and 2mb+1 (slot g+8) of this thread's value slice
+      const uint32_t c00 = tq_bits_at<VB>(tl.v[m][0], (2 * mb) * VB);
+      const uint32_t c01 = tq_bits_at<VB>(tl.v[m][1], (2 * mb) * VB);
+      const uint32_t c02 = tq_bits_at<VB>(tl.v[m][2], (2 * mb) * VB);
+      const uint32_t c03 = tq_bits_at<VB>(tl.v[m][3], (2 * mb) * VB);
+      const uint32_t c10 = tq_bits_at<VB>(tl.v[m][0], (2 * mb + 1) * VB);
+      const uint32_t c11 = tq_bits_at<VB>(tl.v[m][1], (2 * mb + 1) * VB);
+      const uint32_t c12 = tq_bits_at<VB>(tl.v[m][2], (2 * mb + 1) * VB);
+      const uint32_t c13 = tq_bits_at<VB>(tl.v[m][3], (2 * mb + 1) * VB);
+      uint32_t a[4];
+      a[0] = tq_pair(vtab, c00 | (c01 << VB)); // dim slot g, tokens 2c, 2c+1
+      a[1] = tq_pair(vtab, c10 | (c11 << VB)); // slot g+8
+      a[2] = tq_pair(vtab, c02 | (c03 << VB)); // slot g, tokens 2c+8, 2c+9
+      a[3] = tq_pair(vtab, c12 | (c13 << VB));
+#pragma unroll
+      for (int nb = 0; nb < NRB; ++nb) {
+        tq_mma_16816(acc.o[nb][mb], a, pb[nb][0], pb[nb][1]);
+      }
+    }
+  }
+}
+
+/// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQ_MMA_THREADS threads;
+/// dynamic shared memory TQMmaConfig::SMEM bytes. Arguments as tq_attention_impl;
+/// q is float16 or (q_bf16 != 0) bfloat16.
+template <int D, int KB, int VB, int NRB>
+__global__ void __launch_bounds__(TQ_MMA_THREADS, (TQMmaConfig<D, KB, VB, NRB>::BLOCKS))
+tq_attention_mma_kernel(
+    const void* __restrict__ q,
+    const uint32_t* __restrict__ k_codes,
+    const __half* __restrict__ k_scales,
+    const uint32_t* __restrict__ v_codes,
+    const __half* __restrict__ v_scales,
+    const float* __restrict__ k_cent,
+    const float* __restrict__ v_cent,
+    const unsigned char* __restrict__ mask,
+    float* __restrict__ out,
+    float* __restrict__ lse,
+    float* __restrict__ o_part,
+    float* __restrict__ ml_part,
+    const __grid_constant__ TQAttnParams p,
+    int q_bf16) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
+  extern __shared__ __align__(16) unsigned char tq_mma_smem[];
+  uint32_t* ktab_all = reinterpret_cast<uint32_t*>(tq_mma_smem);
+  uint32_t* vtab_all = reinterpret_cast<uint32_t*>(tq_mma_smem + C::KTAB);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, cc = lane & 3;
+  const int chunk = blockIdx.x, split = blockIdx.y;
+  const int b = blockIdx.z / p.kv_heads, kvh = blockIdx.z % p.kv_heads;
+  const int row0 = chunk * ROWS;
+  const int nr = min(ROWS, p.rows - row0);
+  __half* ptile = reinterpret_cast<__half*>(tq_mma_smem + C::KTAB + C::VTAB) + warp * ROWS * 16;
+
+  // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
+  // per lane.
+  for (int i = threadIdx.x; i < (1 << (2 * KB)) * 32; i += TQ_MMA_THREADS) {
+    const int e = i >> 5;
+    ktab_all[i] = tq_pack_half2(k_cent[e & ((1 << KB) - 1)], k_cent[e >> KB]);
+  }
+  for (int i = threadIdx.x; i < (1 << (2 * VB)) * 32; i += TQ_MMA_THREADS) {
+    const int e = i >> 5;
+    vtab_all[i] = tq_pack_half2(v_cent[e & ((1 << VB) - 1)], v_cent[e >> VB]);
+  }
+
+  // ---- query fragments: row nb*8 + g, permuted dims (see the file comment), scaled by
+  // scale * log2(e) and, against float16 overflow, by 2^-qexp (restored on the scores).
+  float qv[NRB][KBLK][4];
+  float qmax = 0.0f;
+  int lim_min = p.kv_len;
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+    const int r = nb * 8 + g;
+    const int rr = min(row0 + r, p.rows - 1);
+    const int qh = kvh * p.gqa + rr / p.q_len;
+    const int ql = rr % p.q_len;
+    const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2];
+#pragma unroll
+    for (int kb = 0; kb < KBLK; ++kb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t at = base + cc * (D / 4) + 4 * kb + e;
+        float x = q_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[at])
+                         : __half2float(reinterpret_cast<const __half*>(q)[at]);
+        x = r < nr ? x * p.scale_log2 : 0.0f;
+        qv[nb][kb][e] = x;
+        qmax = fmaxf(qmax, fabsf(x));
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (p.causal && r < nr) {
+      lim_min = min(lim_min, p.kv_len - p.q_len + (row0 + r) % p.q_len);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
+  }
+  // Largest |q| kept below 2^14: the products and their float32 sums cannot overflow.
+  int qexp = 0;
+  if (qmax > 16384.0f) {
+    qexp = int(ceilf(log2f(qmax / 16384.0f)));
+  }
+  const float qdown = exp2f(float(-qexp)), sup = exp2f(float(qexp));
+  uint32_t qf[NRB][KBLK][2];
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int kb = 0; kb < KBLK; ++kb) {
+      qf[nb][kb][0] = tq_pack_half2(qv[nb][kb][0] * qdown, qv[nb][kb][1] * qdown);
+      qf[nb][kb][1] = tq_pack_half2(qv[nb][kb][2] * qdown, qv[nb][kb][3] * qdown);
+    }
+  }
+
+  TQMmaCache c;
+  c.kc = k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1];
+  c.ks = k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1];
+  c.vc = v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1];
+  c.vs = v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1];
+  c.kc_tok = int(p.kc_stride[2]);
+  c.ks_tok = int(p.ks_stride[2]);
+  c.vc_tok = int(p.vc_stride[2]);
+  c.vs_tok = int(p.vs_stride[2]);
+
+  TQMmaAcc<D, NRB> acc;
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      acc.m[nb][e] = tq_neg_inf();
+      acc.l[nb][e] = 0.0f;
+    }
+#pragma unroll
+    for (int mb = 0; mb < KBLK; ++mb) {
+      acc.o[nb][mb][0] = acc.o[nb][mb][1] = acc.o[nb][mb][2] = acc.o[nb][mb][3] = 0.0f;
+    }
+  }
+
+  const int t_begin = split * p.split_len;
+  const int t_end = min(p.kv_len, t_begin + p.split_len);
+  const int t_fast = min(t_end, lim_min + 1);
+  const uint32_t* ktab = ktab_all + lane;
+  const uint32_t* vtab = vtab_all + lane;
+  TQMmaTile<D, KB, VB, NRB> cur, nxt;
+  int t0 = t_begin + warp * C::TILE;
+  if (t0 < t_end) {
+    tq_mma_load<D, KB, VB, NRB>(cur, c, t0, t_end - 1, g, cc);
+  }
+  __syncthreads(); // tables ready
+  for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
+    const int tn = t0 + C::STEP;
+    tq_mma_load<D, KB, VB, NRB>(nxt, c, min(tn, t_end - 1), t_end - 1, g, cc);
+    // The score scale 2^qexp rides on the key scales.
+    if (qexp != 0) {
+#pragma unroll
+      for (int m = 0; m < C::MT; ++m) {
+        cur.ks[m][0] *= sup;
+        cur.ks[m][1] *= sup;
+      }
+    }
+    if (p.mask_kind == 0 && t0 + C::TILE <= t_fast) {
+      tq_mma_step<D, KB, VB, NRB, false>(
+          acc, cur, qf, ktab, vtab, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+    } else {
+      tq_mma_step<D, KB, VB, NRB, true>(
+          acc, cur, qf, ktab, vtab, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+    }
+    cur = nxt;
+  }
+
+  // ---- row sums over the 8 lanes of a row pair
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = acc.l[nb][e];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      acc.l[nb][e] = l;
+    }
+  }
+
+  // ---- merge the warps through shared memory: per warp m[ROWS], l[ROWS], o[ROWS][D]
+  __syncthreads(); // every warp is done with the tables
+  float* red = reinterpret_cast<float*>(tq_mma_smem);
+  float* wm = red + warp * ROWS * (D + 2);
+  float* wl = wm + ROWS;
+  float* wo = wl + ROWS;
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = nb * 8 + 2 * cc + e;
+      if (g == 0) {
+        wm[row] = acc.m[nb][e];
+        wl[row] = acc.l[nb][e];
+      }
+#pragma unroll
+      for (int mb = 0; mb < KBLK; ++mb) {
+        wo[row * D + g * (D / 8) + 2 * mb] = acc.o[nb][mb][e];
+        wo[row * D + g * (D / 8) + 2 * mb + 1] = acc.o[nb][mb][e + 2];
+      }
+    }
+  }
+  __syncthreads();
+
+  const bool single = p.n_splits == 1;
+  for (int i = threadIdx.x; i < nr * D; i += TQ_MMA_THREADS) {
+    const int r = i / D, d = i % D;
+    float mm = tq_neg_inf();
+#pragma unroll
+    for (int w = 0; w < TQ_MMA_WARPS; ++w) {
+      mm = fmaxf(mm, red[w * ROWS * (D + 2) + r]);
+    }
+    float ll = 0.0f, o = 0.0f;
+    if (mm != tq_neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < TQ_MMA_WARPS; ++w) {
+        const float* rw = red + w * ROWS * (D + 2);
+        const float f = rw[r] == tq_neg_inf() ? 0.0f : exp2f(rw[r] - mm);
+        ll += rw[ROWS + r] * f;
+        o += rw[2 * ROWS + r * D + d] * f;
+      }
+    }
+    const int rr = row0 + r;
+    const int orow = (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
+    const int64_t prow = int64_t(orow) * p.n_splits + split;
+    if (single) {
+      out[int64_t(orow) * D + d] = ll > 0.0f ? o / ll : 0.0f;
+      if (d == 0) {
+        lse[orow] = ll > 0.0f ? (mm + log2f(ll)) * 0.6931471805599453f : tq_neg_inf();
+      }
+    } else {
+      o_part[prow * D + d] = o;
+      if (d == 0) {
+        ml_part[prow * 2] = mm;
+        ml_part[prow * 2 + 1] = ll;
+      }
+    }
+  }
+}
+
+// Host-side lookup (attention_mma_d*.cu): the kernel's address for (kb, vb, nrb), or
+// nullptr when that combination has no tensor-core instantiation.
+const void* attention_mma_kernel_d64(int kb, int vb, int nrb);
+const void* attention_mma_kernel_d128(int kb, int vb, int nrb);
+const void* attention_mma_kernel_d256(int kb, int vb, int nrb);
+
+/// Launch shape of the tensor-core kernel (host side).
+struct TQMmaShape {
+  int smem; // dynamic shared memory, bytes
+  int step; // tokens per block iteration (split lengths are multiples of it)
+  int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
+};
+
+inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
+  TQMmaShape s{0, 0, 0};
+  auto set = [&](auto dd, auto kk, auto vv, auto nn) {
+    typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
+                        decltype(nn)::value>
+        C;
+    s = {C::SMEM, C::STEP, C::BLOCKS};
+  };
+  auto with_n = [&](auto dd, auto kk, auto vv) {
+    if (nrb == 1) {
+      set(dd, kk, vv, std::integral_constant<int, 1>{});
+    } else {
+      set(dd, kk, vv, std::integral_constant<int, 2>{});
+    }
+  };
+  auto with_v = [&](auto dd, auto kk) {
+    switch (vb) {
+      case 2: with_n(dd, kk, std::integral_constant<int, 2>{}); break;
+      case 3: with_n(dd, kk, std::integral_constant<int, 3>{}); break;
+      default: with_n(dd, kk, std::integral_constant<int, 4>{}); break;
+    }
+  };
+  auto with_k = [&](auto dd) {
+    switch (kb) {
+      case 2: with_v(dd, std::integral_constant<int, 2>{}); break;
+      case 3: with_v(dd, std::integral_constant<int, 3>{}); break;
+      default: with_v(dd, std::integral_constant<int, 4>{}); break;
+    }
+  };
+  switch (d) {
+    case 64: with_k(std::integral_constant<int, 64>{}); break;
+    case 128: with_k(std::integral_constant<int, 128>{}); break;
+    case 256: with_k(std::integral_constant<int, 256>{}); break;
+    default: break;
+  }
+  return s;
+}
+
+/// Instantiations of one head dim: key/value bit pairs with KB >= VB (keys carry the
+/// softmax, presets never give values more bits), NRB 1 and (head dims <= 128) 2.
+template <int D>
+const void* attention_mma_kernel_for(int kb, int vb, int nrb) {
+  const void* k = nullptr;
+  auto pick = [&](auto kk, auto vv) {
+    constexpr int KB = decltype(kk)::value, VB = decltype(vv)::value;
+    if constexpr (KB >= VB) { // (16 rows at head dim 256 would spill: chunks of 8 there)
+      if (nrb == 1) {
+        k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 1>);
+      } else if (nrb == 2) {
+        if constexpr (D <= 128) {
+          k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 2>);
+        }
+      }
+    }
+  };
+  auto with_vb = [&](auto kk) {
+    switch (vb) {
+      case 2: pick(kk, std::integral_constant<int, 2>{}); break;
+      case 3: pick(kk, std::integral_constant<int, 3>{}); break;
+      case 4: pick(kk, std::integral_constant<int, 4>{}); break;
+      default: break;
+    }
+  };
+  switch (kb) {
+    case 2: with_vb(std::integral_constant<int, 2>{}); break;
+    case 3: with_vb(std::integral_constant<int, 3>{}); break;
+    case 4: with_vb(std::integral_constant<int, 4>{}); break;
+    default: break;
+  }
+  return k;
+}
+
+} // namespace turboquant_mlx::cuda_kernels

@@ -1,0 +1,10 @@
+// Tensor-core attention kernels for head dim 128 (see attention_mma.cuh).
+#include "attention_mma.cuh"
+
+namespace turboquant_mlx::cuda_kernels {
+
+const void* attention_mma_kernel_d128(int kb, int vb, int nrb) {
+  return attention_mma_kernel_for<128>(kb, vb, nrb);
+}
+
+} // namespace turboquant_mlx::cuda_kernels
