@@ -262,8 +262,12 @@ std::vector<mx::array> compressed_attention(
   }
 
   auto stream = mx::to_stream(s);
+  // The GPU kernels read float16 / bfloat16 queries as they are (CUDA runs them on
+  // tensor cores); the CPU kernel reads float32.
+  const bool half_q = stream.device == mx::Device::gpu &&
+      (q_rot.dtype() == mx::float16 || q_rot.dtype() == mx::bfloat16);
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::astype(q_rot, mx::float32, stream), false, stream),
+      mx::contiguous(half_q ? q_rot : mx::astype(q_rot, mx::float32, stream), false, stream),
       mx::contiguous(k_codes, false, stream),
       mx::contiguous(k_scales, false, stream),
       mx::contiguous(v_codes, false, stream),

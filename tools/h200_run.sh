@@ -136,6 +136,17 @@ except Exception as x:
   ldd /tmp/site/turboquant_mlx/_ext*.so >>"$OUT/diag.log" 2>&1
 }
 
+# Nsight Compute on one tensor-core attention launch (128k keys, 32q/8kv, d128, K4V4).
+step_profile() {
+  export PYTHONPATH=/tmp/site
+  run_step profile "${TQ_PROFILE_TIMEOUT:-150}" ncu --kernel-name regex:tq_attention \
+    --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section ComputeWorkloadAnalysis \
+    python3 bench/attention_once.py ${TQ_PROFILE_ARGS:-}
+  grep -v "^==PROF==" "$OUT/profile.log" | tail -150
+}
+
 step_summary() {
   echo "===== summary"
   for f in test suite; do
@@ -161,6 +172,7 @@ for step in "$@"; do
     decode) export PYTHONPATH=/tmp/site; step_decode ;;
     summary) step_summary ;;
     diag) step_diag ;;
+    profile) step_profile ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -62,8 +62,14 @@ struct TQMmaConfig {
   static constexpr int VW = (VBITS + 31) / 32;
   // shared memory (bytes): the two pair tables and one P tile per warp; the final
   // merge reuses it for m, l and o of every warp.
-  static constexpr int KTAB = (1 << (2 * KB)) * 32 * 4;
-  static constexpr int VTAB = (1 << (2 * VB)) * 32 * 4;
+  // Table entries are 128 bytes (32 lanes x one float16 pair), except with 4-bit keys:
+  // 256 bytes, the key pair at +0 and (4-bit values) the value pair at +128, so that
+  // one byte_perm turns a byte of codes into the lane's address (see tq_byte_addr).
+  static constexpr int KSTRIDE = KB == 4 ? 256 : 128;
+  static constexpr int VSTRIDE = VB == 4 ? 256 : 128;
+  static constexpr int KTAB = (1 << (2 * KB)) * KSTRIDE;
+  static constexpr int VOFF = VB == 4 ? 128 : KTAB; // value table offset
+  static constexpr int VTAB = VB == 4 ? 0 : (1 << (2 * VB)) * VSTRIDE;
   static constexpr int PTILE = ROWS * 16 * 2;
   static constexpr int LOOP_SMEM = KTAB + VTAB + TQ_MMA_WARPS * PTILE;
   static constexpr int MERGE_SMEM = TQ_MMA_WARPS * ROWS * (D + 2) * 4;
@@ -175,22 +181,34 @@ __device__ __forceinline__ void tq_mma_load(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = min(tb + g + 8 * h, t_last); // past the end: re-read a valid token
-      tq_load_slice<C::KBITS>(c.kc + int64_t(t) * c.kc_tok, cc, tl.k[m][h]);
-      tl.ks[m][h] = __half2float(c.ks[int64_t(t) * c.ks_tok]);
-      tl.vs[m][h] = __half2float(c.vs[int64_t(t) * c.vs_tok]);
+      tq_load_slice<C::KBITS>(c.kc + t * c.kc_tok, cc, tl.k[m][h]);
+      tl.ks[m][h] = __half2float(c.ks[t * c.ks_tok]);
+      tl.vs[m][h] = __half2float(c.vs[t * c.vs_tok]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = min(tb + 2 * cc + (i & 1) + 8 * (i >> 1), t_last);
-      tq_load_slice<C::VBITS>(c.vc + int64_t(t) * c.vc_tok, g, tl.v[m][i]);
+      tq_load_slice<C::VBITS>(c.vc + t * c.vc_tok, g, tl.v[m][i]);
     }
   }
 }
 
 /// Float16 centroid pair of table entry `idx` for this lane (tab points at the lane's
-/// column of the table).
-__device__ __forceinline__ uint32_t tq_pair(const uint32_t* tab, uint32_t idx) {
-  return tab[idx << 5];
+/// column of the table, entries STRIDE bytes apart).
+template <int STRIDE>
+__device__ __forceinline__ uint32_t tq_pair(const unsigned char* tab, uint32_t idx) {
+  return *reinterpret_cast<const uint32_t*>(tab + idx * STRIDE);
+}
+
+/// Byte K of w as the offset of its entry in a 256-byte-stride table, plus this lane's
+/// column (lane4 = 4 * lane < 256): one byte_perm, [lane4, w.byte K, 0, 0].
+template <int K>
+__device__ __forceinline__ uint32_t tq_byte_addr(uint32_t w, uint32_t lane4) {
+  return __byte_perm(w, lane4, 0x5504u | (uint32_t(K) << 4));
+}
+
+__device__ __forceinline__ uint32_t tq_lds(const unsigned char* smem, uint32_t offset) {
+  return *reinterpret_cast<const uint32_t*>(smem + offset);
 }
 
 /// Online-softmax state of one thread: rows nb*8 + 2c + {0, 1} for each row block nb.
@@ -207,8 +225,8 @@ __device__ __forceinline__ void tq_mma_step(
     TQMmaAcc<D, NRB>& acc,
     const TQMmaTile<D, KB, VB, NRB>& tl,
     const uint32_t (&qf)[NRB][D / 16][2],
-    const uint32_t* ktab,
-    const uint32_t* vtab,
+    const unsigned char* smem, // tables (see TQMmaConfig)
+    uint32_t lane4,
     __half* ptile,
     int t0,
     int t_end,
@@ -222,32 +240,56 @@ __device__ __forceinline__ void tq_mma_step(
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK;
 
-  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8
+  const unsigned char* ktab = smem + lane4;
+  const unsigned char* vtab = smem + C::VOFF + lane4;
+
+  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. Even and
+  // odd k-blocks accumulate apart: two mma chains of half the length.
   float s[C::MT][NRB][4];
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
+    float s2[2][NRB][4];
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
-      s[m][nb][0] = s[m][nb][1] = s[m][nb][2] = s[m][nb][3] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s2[0][nb][i] = s2[1][nb][i] = 0.0f;
+      }
     }
 #pragma unroll
     for (int kb = 0; kb < KBLK; ++kb) {
       uint32_t a[4];
-      a[0] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb) * KB));
-      a[1] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb) * KB));
-      a[2] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb + 2) * KB));
-      a[3] = tq_pair(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb + 2) * KB));
+      if constexpr (KB == 4) {
+        // k-block kb: bytes 2kb, 2kb+1 of the slice (word kb / 2)
+        const uint32_t w0 = tl.k[m][0][kb >> 1], w1 = tl.k[m][1][kb >> 1];
+        if (kb & 1) {
+          a[0] = tq_lds(smem, tq_byte_addr<2>(w0, lane4));
+          a[1] = tq_lds(smem, tq_byte_addr<2>(w1, lane4));
+          a[2] = tq_lds(smem, tq_byte_addr<3>(w0, lane4));
+          a[3] = tq_lds(smem, tq_byte_addr<3>(w1, lane4));
+        } else {
+          a[0] = tq_lds(smem, tq_byte_addr<0>(w0, lane4));
+          a[1] = tq_lds(smem, tq_byte_addr<0>(w1, lane4));
+          a[2] = tq_lds(smem, tq_byte_addr<1>(w0, lane4));
+          a[3] = tq_lds(smem, tq_byte_addr<1>(w1, lane4));
+        }
+      } else {
+        a[0] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb) * KB));
+        a[1] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb) * KB));
+        a[2] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb + 2) * KB));
+        a[3] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb + 2) * KB));
+      }
 #pragma unroll
       for (int nb = 0; nb < NRB; ++nb) {
-        tq_mma_16816(s[m][nb], a, qf[nb][kb][0], qf[nb][kb][1]);
+        tq_mma_16816(s2[kb & 1][nb], a, qf[nb][kb][0], qf[nb][kb][1]);
       }
     }
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
-      s[m][nb][0] *= tl.ks[m][0];
-      s[m][nb][1] *= tl.ks[m][0];
-      s[m][nb][2] *= tl.ks[m][1];
-      s[m][nb][3] *= tl.ks[m][1];
+      s[m][nb][0] = (s2[0][nb][0] + s2[1][nb][0]) * tl.ks[m][0];
+      s[m][nb][1] = (s2[0][nb][1] + s2[1][nb][1]) * tl.ks[m][0];
+      s[m][nb][2] = (s2[0][nb][2] + s2[1][nb][2]) * tl.ks[m][1];
+      s[m][nb][3] = (s2[0][nb][3] + s2[1][nb][3]) * tl.ks[m][1];
     }
     if (CHECK) {
 #pragma unroll
@@ -332,6 +374,55 @@ __device__ __forceinline__ void tq_mma_step(
       pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
       pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
     }
+    if constexpr (VB == 4) {
+      // Word j of a token's slice holds coordinates 8j..8j+7: m-blocks 4j..4j+3. The
+      // codes of one coordinate of two tokens are interleaved into bytes: even
+      // coordinates (slot g) and odd ones (slot g+8), for tokens 2c, 2c+1 and 2c+8, 2c+9.
+#pragma unroll
+      for (int j = 0; j < C::VW; ++j) {
+        const uint32_t w0 = tl.v[m][0][j], w1 = tl.v[m][1][j];
+        const uint32_t w2 = tl.v[m][2][j], w3 = tl.v[m][3][j];
+        const uint32_t e01 = (w0 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
+        const uint32_t o01 = ((w0 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
+        const uint32_t e23 = (w2 & 0x0F0F0F0Fu) | ((w3 << 4) & 0xF0F0F0F0u);
+        const uint32_t o23 = ((w2 >> 4) & 0x0F0F0F0Fu) | (w3 & 0xF0F0F0F0u);
+        const unsigned char* vt = smem + C::VOFF;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          uint32_t a[4];
+          switch (k) { // byte k -> m-block 4j + k (constant after unrolling)
+            case 0:
+              a[0] = tq_lds(vt, tq_byte_addr<0>(e01, lane4));
+              a[1] = tq_lds(vt, tq_byte_addr<0>(o01, lane4));
+              a[2] = tq_lds(vt, tq_byte_addr<0>(e23, lane4));
+              a[3] = tq_lds(vt, tq_byte_addr<0>(o23, lane4));
+              break;
+            case 1:
+              a[0] = tq_lds(vt, tq_byte_addr<1>(e01, lane4));
+              a[1] = tq_lds(vt, tq_byte_addr<1>(o01, lane4));
+              a[2] = tq_lds(vt, tq_byte_addr<1>(e23, lane4));
+              a[3] = tq_lds(vt, tq_byte_addr<1>(o23, lane4));
+              break;
+            case 2:
+              a[0] = tq_lds(vt, tq_byte_addr<2>(e01, lane4));
+              a[1] = tq_lds(vt, tq_byte_addr<2>(o01, lane4));
+              a[2] = tq_lds(vt, tq_byte_addr<2>(e23, lane4));
+              a[3] = tq_lds(vt, tq_byte_addr<2>(o23, lane4));
+              break;
+            default:
+              a[0] = tq_lds(vt, tq_byte_addr<3>(e01, lane4));
+              a[1] = tq_lds(vt, tq_byte_addr<3>(o01, lane4));
+              a[2] = tq_lds(vt, tq_byte_addr<3>(e23, lane4));
+              a[3] = tq_lds(vt, tq_byte_addr<3>(o23, lane4));
+              break;
+          }
+#pragma unroll
+          for (int nb = 0; nb < NRB; ++nb) {
+            tq_mma_16816(acc.o[nb][4 * j + k], a, pb[nb][0], pb[nb][1]);
+          }
+        }
+      }
+    } else {
 #pragma unroll
     for (int mb = 0; mb < KBLK; ++mb) {
       // coordinate 2mb (dim slot g) and 2mb+1 (slot g+8) of this thread's value slice
@@ -344,14 +435,15 @@ __device__ __forceinline__ void tq_mma_step(
       const uint32_t c12 = tq_bits_at<VB>(tl.v[m][2], (2 * mb + 1) * VB);
       const uint32_t c13 = tq_bits_at<VB>(tl.v[m][3], (2 * mb + 1) * VB);
       uint32_t a[4];
-      a[0] = tq_pair(vtab, c00 | (c01 << VB)); // dim slot g, tokens 2c, 2c+1
-      a[1] = tq_pair(vtab, c10 | (c11 << VB)); // slot g+8
-      a[2] = tq_pair(vtab, c02 | (c03 << VB)); // slot g, tokens 2c+8, 2c+9
-      a[3] = tq_pair(vtab, c12 | (c13 << VB));
+      a[0] = tq_pair<C::VSTRIDE>(vtab, c00 | (c01 << VB)); // dim slot g, tokens 2c, 2c+1
+      a[1] = tq_pair<C::VSTRIDE>(vtab, c10 | (c11 << VB)); // slot g+8
+      a[2] = tq_pair<C::VSTRIDE>(vtab, c02 | (c03 << VB)); // slot g, tokens 2c+8, 2c+9
+      a[3] = tq_pair<C::VSTRIDE>(vtab, c12 | (c13 << VB));
 #pragma unroll
       for (int nb = 0; nb < NRB; ++nb) {
         tq_mma_16816(acc.o[nb][mb], a, pb[nb][0], pb[nb][1]);
       }
+    }
     }
   }
 }
@@ -379,8 +471,6 @@ tq_attention_mma_kernel(
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
-  uint32_t* ktab_all = reinterpret_cast<uint32_t*>(tq_mma_smem);
-  uint32_t* vtab_all = reinterpret_cast<uint32_t*>(tq_mma_smem + C::KTAB);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, cc = lane & 3;
@@ -393,12 +483,14 @@ tq_attention_mma_kernel(
   // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
   // per lane.
   for (int i = threadIdx.x; i < (1 << (2 * KB)) * 32; i += TQ_MMA_THREADS) {
-    const int e = i >> 5;
-    ktab_all[i] = tq_pack_half2(k_cent[e & ((1 << KB) - 1)], k_cent[e >> KB]);
+    const int e = i >> 5, l = i & 31;
+    *reinterpret_cast<uint32_t*>(tq_mma_smem + e * C::KSTRIDE + 4 * l) =
+        tq_pack_half2(k_cent[e & ((1 << KB) - 1)], k_cent[e >> KB]);
   }
   for (int i = threadIdx.x; i < (1 << (2 * VB)) * 32; i += TQ_MMA_THREADS) {
-    const int e = i >> 5;
-    vtab_all[i] = tq_pack_half2(v_cent[e & ((1 << VB) - 1)], v_cent[e >> VB]);
+    const int e = i >> 5, l = i & 31;
+    *reinterpret_cast<uint32_t*>(tq_mma_smem + C::VOFF + e * C::VSTRIDE + 4 * l) =
+        tq_pack_half2(v_cent[e & ((1 << VB) - 1)], v_cent[e >> VB]);
   }
 
   // ---- query fragments: row nb*8 + g, permuted dims (see the file comment), scaled by
@@ -479,8 +571,7 @@ tq_attention_mma_kernel(
   const int t_begin = split * p.split_len;
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   const int t_fast = min(t_end, lim_min + 1);
-  const uint32_t* ktab = ktab_all + lane;
-  const uint32_t* vtab = vtab_all + lane;
+  const uint32_t lane4 = 4u * uint32_t(lane);
   TQMmaTile<D, KB, VB, NRB> cur, nxt;
   int t0 = t_begin + warp * C::TILE;
   if (t0 < t_end) {
@@ -500,10 +591,10 @@ tq_attention_mma_kernel(
     }
     if (p.mask_kind == 0 && t0 + C::TILE <= t_fast) {
       tq_mma_step<D, KB, VB, NRB, false>(
-          acc, cur, qf, ktab, vtab, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, cur, qf, tq_mma_smem, lane4, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
     } else {
       tq_mma_step<D, KB, VB, NRB, true>(
-          acc, cur, qf, ktab, vtab, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, cur, qf, tq_mma_smem, lane4, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
     }
     cur = nxt;
   }
