@@ -572,31 +572,42 @@ tq_attention_mma_kernel(
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   const int t_fast = min(t_end, lim_min + 1);
   const uint32_t lane4 = 4u * uint32_t(lane);
-  TQMmaTile<D, KB, VB, NRB> cur, nxt;
-  int t0 = t_begin + warp * C::TILE;
-  if (t0 < t_end) {
-    tq_mma_load<D, KB, VB, NRB>(cur, c, t0, t_end - 1, g, cc);
-  }
-  __syncthreads(); // tables ready
-  for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
-    const int tn = t0 + C::STEP;
-    tq_mma_load<D, KB, VB, NRB>(nxt, c, min(tn, t_end - 1), t_end - 1, g, cc);
-    // The score scale 2^qexp rides on the key scales.
-    if (qexp != 0) {
+  // Two tiles in flight per warp, used alternately (no register copies, so a tile's
+  // loads are only waited for where it is decoded): tile a holds iteration 2i, tile b
+  // iteration 2i + 1, each reloaded right after use. Loads past the split's end re-read
+  // its last token.
+  auto run = [&](TQMmaTile<D, KB, VB, NRB>& tl, int t) {
+    if (qexp != 0) { // the score scale 2^qexp rides on the key scales
 #pragma unroll
       for (int m = 0; m < C::MT; ++m) {
-        cur.ks[m][0] *= sup;
-        cur.ks[m][1] *= sup;
+        tl.ks[m][0] *= sup;
+        tl.ks[m][1] *= sup;
       }
     }
-    if (p.mask_kind == 0 && t0 + C::TILE <= t_fast) {
+    if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
       tq_mma_step<D, KB, VB, NRB, false>(
-          acc, cur, qf, tq_mma_smem, lane4, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, tl, qf, tq_mma_smem, lane4, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
     } else {
       tq_mma_step<D, KB, VB, NRB, true>(
-          acc, cur, qf, tq_mma_smem, lane4, ptile, t0, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, tl, qf, tq_mma_smem, lane4, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
     }
-    cur = nxt;
+  };
+  TQMmaTile<D, KB, VB, NRB> ta, tb;
+  const int t_last = t_end - 1;
+  int t0 = t_begin + warp * C::TILE;
+  if (t0 < t_end) {
+    tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_last, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + C::STEP, t_last), t_last, g, cc);
+  }
+  __syncthreads(); // tables ready
+  for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
+    run(ta, t0);
+    tq_mma_load<D, KB, VB, NRB>(ta, c, min(t0 + 2 * C::STEP, t_last), t_last, g, cc);
+    if (t0 + C::STEP >= t_end) {
+      break;
+    }
+    run(tb, t0 + C::STEP);
+    tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + 3 * C::STEP, t_last), t_last, g, cc);
   }
 
   // ---- row sums over the 8 lanes of a row pair

@@ -464,7 +464,8 @@ void attention(
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
-  // SM beat 8); tensor-core kernel one resident wave (its occupancy target per SM).
+  // SM beat 8); tensor-core kernel two blocks per SM (each warp keeps two tiles in
+  // flight; measured on an H200 at 128k-256k keys: 2 per SM beat 3 and more).
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
   ck::TQMmaShape msh{0, 0, 0};
@@ -472,7 +473,7 @@ void attention(
     msh = ck::attention_mma_shape(D, kb, vb, nrb);
   }
   const int target = env_int(
-      "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
+      "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? std::min(2, msh.blocks_per_sm) * sms : 4 * sms);
   auto [splits, split_len] =
       key_splits(ap.kv_len, units, target, mma_sym != nullptr ? msh.step : sh.STEP);
   p.n_splits = splits;
