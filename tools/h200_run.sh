@@ -139,10 +139,10 @@ except Exception as x:
 # Nsight Compute on one tensor-core attention launch (128k keys, 32q/8kv, d128, K4V4).
 step_profile() {
   export PYTHONPATH=/tmp/site
-  run_step profile "${TQ_PROFILE_TIMEOUT:-150}" ncu --kernel-name regex:tq_attention \
-    --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+  run_step profile "${TQ_PROFILE_TIMEOUT:-150}" ncu --kernel-name "${TQ_PROFILE_KERNEL:-regex:tq_attention_mma}" \
+    --launch-skip 0 --launch-count 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
     python3 bench/attention_once.py ${TQ_PROFILE_ARGS:-}
   grep -v "^==PROF==" "$OUT/profile.log" | tail -150
 }

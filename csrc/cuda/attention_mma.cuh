@@ -85,6 +85,13 @@ __device__ __forceinline__ void tq_mma_16816(
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/// 2^x (ex2.approx.ftz: relative error ~2^-22; -inf -> 0).
+__device__ __forceinline__ float tq_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t tq_pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -330,21 +337,24 @@ __device__ __forceinline__ void tq_mma_step(
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      // mx == -inf: nothing visible yet for this row; keep everything at 0.
-      const float f = mx == tq_neg_inf() ? 1.0f : exp2f(acc.m[nb][e] - mx);
-      acc.m[nb][e] = mx;
-      acc.l[nb][e] *= f;
+      // The accumulators are rescaled only when some row's maximum grew (rarely after
+      // the first tiles). mx == -inf: nothing visible yet for this row.
+      if (__any_sync(0xffffffffu, mx > acc.m[nb][e])) {
+        const float f = mx == tq_neg_inf() ? 1.0f : tq_ex2(acc.m[nb][e] - mx);
+        acc.l[nb][e] *= f;
 #pragma unroll
-      for (int mb = 0; mb < KBLK; ++mb) {
-        acc.o[nb][mb][e] *= f;
-        acc.o[nb][mb][e + 2] *= f;
+        for (int mb = 0; mb < KBLK; ++mb) {
+          acc.o[nb][mb][e] *= f;
+          acc.o[nb][mb][e + 2] *= f;
+        }
       }
+      acc.m[nb][e] = mx;
 #pragma unroll
       for (int m = 0; m < C::MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float sv = s[m][nb][e + 2 * h];
-          const float pv = (CHECK && sv == tq_neg_inf()) ? 0.0f : exp2f(sv - mx);
+          const float pv = (CHECK && sv == tq_neg_inf()) ? 0.0f : tq_ex2(sv - mx);
           acc.l[nb][e] += pv;
           s[m][nb][e + 2 * h] = pv * tl.vs[m][h]; // value scale folded into P
         }
