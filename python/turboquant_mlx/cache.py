@@ -139,6 +139,12 @@ def _check_bits(name, value):
     return int(value)
 
 
+def _half_queries_on_gpu(dtype) -> bool:
+    """Whether rotated queries of ``dtype`` go to the op in that dtype (see
+    ``TurboQuantKVCache._compressed_queries``)."""
+    return dtype in (mx.float16, mx.bfloat16) and mx.default_device() == mx.gpu
+
+
 def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
     """Concatenates along the token axis; the result never views a larger buffer."""
     if a is None or a.shape[2] == 0:
@@ -673,12 +679,19 @@ class TurboQuantKVCache(_BaseCache):
 
     def _compressed_queries(self, q: mx.array) -> mx.array:
         """Rotated queries for the compressed segment (divided by ``a`` first)."""
+        dtype = q.dtype
         if self._key_scale is not None:
             B, n_q, L, D = q.shape
             H = self._batch_heads[1]
             q = q.astype(mx.float32).reshape(B, H, n_q // H, L, D) / self._key_scale[:, :, None]
             q = q.reshape(B, n_q, L, D)
-        return self._rotation.forward(q)
+        q_rot = self._rotation.forward(q)
+        # A half-precision model's queries stay half precision on the GPU, where the
+        # CUDA build's tensor-core kernel takes them (float32 selects its exact kernel);
+        # the CPU kernel gets float32.
+        if _half_queries_on_gpu(dtype):
+            q_rot = q_rot.astype(dtype)
+        return q_rot
 
     def _compressed_result(self, out_rot: mx.array, lse: mx.array, q: mx.array, scale: float):
         """``(out, lse)`` of the compressed segment in the model's space, from the op's
