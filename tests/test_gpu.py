@@ -6,11 +6,14 @@ CPU backend and the NumPy reference.
 Every test runs its op on the GPU stream and is skipped where MLX has no GPU or this
 build has no GPU kernels. Quantization must match the CPU backend bit for bit (same
 inputs, same arithmetic order); attention must match the float64 NumPy reference on the
-dequantized cache to float32 accuracy, over lengths that take the single-pass and the
+dequantized cache to float32 accuracy (float32 queries, and every query dtype on the
+portable kernel), or to half-precision accuracy on CUDA's tensor-core kernel (float16 /
+bfloat16 queries, see TENSOR_CORE_RTOL), over lengths that take the single-pass and the
 split-K paths.
 """
 
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -329,8 +332,6 @@ TENSOR_CORE_RTOL = 4e-3
 
 
 def tensor_core_path(q_dtype, head_dim, key_bits, value_bits):
-    import os
-
     return (
         _ext.gpu_backend() == "cuda"
         and q_dtype in (mx.float16, mx.bfloat16)
