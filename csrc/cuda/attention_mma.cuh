@@ -251,16 +251,19 @@ __device__ __forceinline__ void tq_mma_step(
   const unsigned char* vtab = smem + C::VOFF + lane4;
 
   // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. Even and
-  // odd k-blocks accumulate apart: two mma chains of half the length.
+  // odd k-blocks accumulate apart (two mma chains of half the length) where the
+  // registers allow it (head dims <= 128).
+  constexpr int NCH = D <= 128 ? 2 : 1;
   float s[C::MT][NRB][4];
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
-    float s2[2][NRB][4];
+    float s2[NCH][NRB][4];
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        s2[0][nb][i] = s2[1][nb][i] = 0.0f;
+        s2[0][nb][i] = 0.0f;
+        s2[NCH - 1][nb][i] = 0.0f;
       }
     }
 #pragma unroll
@@ -288,15 +291,16 @@ __device__ __forceinline__ void tq_mma_step(
       }
 #pragma unroll
       for (int nb = 0; nb < NRB; ++nb) {
-        tq_mma_16816(s2[kb & 1][nb], a, qf[nb][kb][0], qf[nb][kb][1]);
+        tq_mma_16816(s2[kb % NCH][nb], a, qf[nb][kb][0], qf[nb][kb][1]);
       }
     }
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
-      s[m][nb][0] = (s2[0][nb][0] + s2[1][nb][0]) * tl.ks[m][0];
-      s[m][nb][1] = (s2[0][nb][1] + s2[1][nb][1]) * tl.ks[m][0];
-      s[m][nb][2] = (s2[0][nb][2] + s2[1][nb][2]) * tl.ks[m][1];
-      s[m][nb][3] = (s2[0][nb][3] + s2[1][nb][3]) * tl.ks[m][1];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float sum = NCH == 2 ? s2[0][nb][i] + s2[NCH - 1][nb][i] : s2[0][nb][i];
+        s[m][nb][i] = sum * tl.ks[m][i >> 1];
+      }
     }
     if (CHECK) {
 #pragma unroll
@@ -339,7 +343,8 @@ __device__ __forceinline__ void tq_mma_step(
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
       // The accumulators are rescaled only when some row's maximum grew (rarely after
       // the first tiles). mx == -inf: nothing visible yet for this row.
-      if (__any_sync(0xffffffffu, mx > acc.m[nb][e])) {
+      // (Head dim 256 rescales unconditionally: the branch costs registers there.)
+      if (D > 128 || __any_sync(0xffffffffu, mx > acc.m[nb][e])) {
         const float f = mx == tq_neg_inf() ? 1.0f : tq_ex2(acc.m[nb][e] - mx);
         acc.l[nb][e] *= f;
 #pragma unroll
