@@ -626,6 +626,15 @@ def test_presets_table():
     for name, budget in (("tq4", 4.5), ("tq3", 3.5)):
         for ctx in (1024, 3072, 8192):
             assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30) <= budget
+            for layers in (2, 6, 16, 24, 40, 64):  # tq3's layer list is SmolLM2's
+                if name == "tq4":
+                    assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=layers) <= budget
+    # tq3 mixes bit widths per layer (SmolLM2 schedule); tq4 keeps one layer fp16 on
+    # models of >= 28 layers only.
+    bits = {(c["key_bits"], c["value_bits"]) for c in PRESETS["tq3"].layer_configs(30)}
+    assert bits == {(4, 4), (4, 3), (3, 3), (4, 2), (3, 2)}
+    assert [i for i, c in enumerate(PRESETS["tq4"].layer_configs(30)) if c is None] == [10]
+    assert all(c is not None for c in PRESETS["tq4"].layer_configs(27))
     assert PRESETS["fp16"].bits_per_coordinate(64, 10) == 16
     p = KVPreset("x", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=60, fp16_layers=(1, 1))
     # 1000 tokens: 4 sinks + 60 window + 16 rollback in fp16, 936 compressed.
@@ -645,8 +654,8 @@ def test_factory_options():
     model = build_model("llama", num_hidden_layers=6)
     types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]
     assert types_of(make_prompt_cache(model, "fp16")) == ["kv"] * 6
-    assert types_of(make_prompt_cache(model, "tq4", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
-    assert types_of(make_prompt_cache(model, "tq4", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4-uniform", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4-uniform", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     plus = make_prompt_cache(model, "tq4-plus")
     assert types_of(plus) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     assert plus[1].fp16_sink_tokens == 4 and plus[1].fp16_recent_tokens == 64
@@ -659,7 +668,7 @@ def test_factory_options():
     assert cache[3].fp16_sink_tokens == 1
     seeds = [c.seed for c in cache[:5]]
     assert len(set(seeds)) == 5 and seeds[1] == layer_seed(5, 1)
-    assert [c.seed for c in make_prompt_cache(model, "tq4", seed=5)] == [layer_seed(5, i) for i in range(6)]
+    assert [c.seed for c in make_prompt_cache(model, "tq4-uniform", seed=5)] == [layer_seed(5, i) for i in range(6)]
     # fp16 preset with explicit bits compresses with those bits.
     assert types_of(make_prompt_cache(model, "fp16", key_bits=4)) == ["tq"] * 6
     with pytest.raises(ValueError, match="valid presets"):
@@ -670,6 +679,39 @@ def test_factory_options():
     gemma = build_model("gemma3_text")
     with pytest.raises(ValueError, match="not a full-attention"):
         make_prompt_cache(gemma, "tq4", layer_overrides={0: "tq3"})
+
+
+def test_layer_schedule():
+    """A preset's per-layer schedule by relative depth: points pick the nearest layer,
+    ranges every layer inside; fp16_layers win; explicit bit widths switch it off."""
+    sched = ((0.35, "fp16"), ((0.5, 1.0), (4, 2)), (1.0, {"value_bits": 3}))
+    p = KVPreset("s", 4, 4, fp16_sink_tokens=4, center=True, fp16_layers=(1, 0), layer_schedule=sched)
+    cfgs = p.layer_configs(30)
+    assert cfgs[0] is None and cfgs[10] is None  # fp16_layers, then round(0.35 * 29) = 10
+    assert [c["value_bits"] for c in cfgs[15:29]] == [2] * 14 and cfgs[14]["value_bits"] == 4
+    assert cfgs[29]["value_bits"] == 3 and cfgs[29]["center"] and cfgs[29]["fp16_sink_tokens"] == 4
+    # bits: the average of the layers' own accounting
+    per = lambda vb: KVPreset("o", 4, vb, fp16_sink_tokens=4, center=True).bits_per_coordinate(64, 3072)
+    want = (2 * 16 + 13 * per(4) + 14 * per(2) + per(3)) / 30
+    assert p.bits_per_coordinate(64, 3072, num_layers=30) == pytest.approx(want)
+    assert p.bits_per_coordinate(64, 3072) == pytest.approx(per(4))  # one compressed layer
+    # The factory applies the same schedule on a 6-layer model.
+    model = build_model("llama", num_hidden_layers=6)
+    cache = make_prompt_cache(model, p)
+    assert [None if not isinstance(c, TurboQuantKVCache) else (c.key_bits, c.value_bits) for c in cache] == [
+        None, (4, 4), None, (4, 2), (4, 2), (4, 3)]  # round(0.35 * 5) = 2
+    assert [type(c) is KVCache for c in cache] == [c is None for c in p.layer_configs(6)]
+    # Explicit bits: uniform; explicit fp16_layers replace the preset's, schedule stays.
+    assert {(c.key_bits, c.value_bits) for c in make_prompt_cache(model, p, value_bits=3)[1:]} == {(4, 3)}
+    c2 = make_prompt_cache(model, p, fp16_layers=())
+    assert isinstance(c2[0], TurboQuantKVCache) and not isinstance(c2[2], TurboQuantKVCache)
+    c3 = make_prompt_cache(model, p, layer_overrides={2: (3, 3)})
+    assert (c3[2].key_bits, c3[2].value_bits) == (3, 3)
+    with pytest.raises(ValueError, match="not in"):
+        KVPreset("bad", 4, 4, layer_schedule=((1.5, "fp16"),)).layer_configs(4)
+    # (where, spec, min_layers): skipped on shallower models
+    deep = KVPreset("d", 4, 4, layer_schedule=((0.5, "fp16", 8),))
+    assert deep.layer_configs(8)[4] is None and None not in deep.layer_configs(7)
 
 
 def test_factory_levers_and_rope_pairing():

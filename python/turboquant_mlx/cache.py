@@ -1222,6 +1222,19 @@ class KVPreset:
         center: Mean-centered compressed keys and values (TurboQuantKVCache).
         query_aware_keys: Query-aware key scaling (TurboQuantKVCache).
         description: One line for ``--help`` and tables.
+        layer_schedule: Per-layer exceptions by *relative depth*, so that one
+            schedule applies to models of any depth: ``(where, spec)`` pairs, later
+            pairs winning. ``where`` is a float ``x`` in ``[0, 1]`` (the one
+            compressible layer nearest to relative depth ``x``: index
+            ``round(x * (n - 1))`` among the ``n`` compressible layers) or a pair
+            ``(lo, hi)`` (every compressible layer ``k`` with
+            ``lo <= k / (n - 1) <= hi``). ``spec`` is ``"fp16"`` (plain
+            ``KVCache``), a ``(key_bits, value_bits)`` tuple or a dict of
+            :class:`TurboQuantKVCache` arguments (as ``make_prompt_cache``'s
+            ``layer_overrides``). Layers of ``fp16_layers`` stay fp16. An optional
+            third element ``min_layers`` skips the entry on models with fewer
+            compressible layers (e.g. an fp16 layer whose cost only fits the bit
+            budget when spread over many layers).
     """
 
     name: str
@@ -1233,6 +1246,7 @@ class KVPreset:
     center: bool = False
     query_aware_keys: bool = False
     description: str = ""
+    layer_schedule: Tuple[Tuple[Any, ...], ...] = ()
 
     @property
     def compressed(self) -> bool:
@@ -1270,40 +1284,153 @@ class KVPreset:
             raise ValueError(f"{_PREFIX} context must be positive, got {context}.")
         if not self.compressed:
             return float(dense_bits)
-        sinks = min(self.fp16_sink_tokens, context)
-        rest = context - sinks
-        window = min(self.fp16_recent_tokens, rest)
-        levers = self.center or self.query_aware_keys
-        calibrated = not levers or rest >= calibration_tokens
-        if not calibrated:
-            window = rest  # nothing is quantized before calibration
-        n_comp = rest - window
-        slack = min(rollback_tokens, n_comp) if self.fp16_recent_tokens else 0
-        per_token_comp = (head_dim * self.key_bits + 16) + (head_dim * self.value_bits + 16)
-        bits = n_comp * per_token_comp + (sinks + window + slack) * 2 * head_dim * dense_bits
-        if levers and calibrated:
-            bits += (2 * self.center + self.query_aware_keys) * head_dim * 32
-        layer_bits = bits / (2 * head_dim * context)
+        base = dict(
+            key_bits=self.key_bits, value_bits=self.value_bits,
+            fp16_sink_tokens=self.fp16_sink_tokens, fp16_recent_tokens=self.fp16_recent_tokens,
+            center=self.center, query_aware_keys=self.query_aware_keys,
+            rollback_tokens=rollback_tokens, calibration_tokens=calibration_tokens,
+        )
         if num_layers is None:
-            return layer_bits
-        first, last = self.fp16_layers
-        n_fp16 = min(num_layers, first + last)
-        return (n_fp16 * dense_bits + (num_layers - n_fp16) * layer_bits) / num_layers
+            return _layer_bits(base, head_dim, context, dense_bits)
+        configs = self.layer_configs(num_layers, base)
+        return sum(
+            dense_bits if cfg is None else _layer_bits(cfg, head_dim, context, dense_bits)
+            for cfg in configs
+        ) / num_layers
+
+    def layer_configs(
+        self, num_layers: int, base: Optional[Dict[str, Any]] = None
+    ) -> List[Optional[Dict[str, Any]]]:
+        """Per-layer cache arguments for ``num_layers`` compressible layers: ``base``
+        (default: this preset's settings) with ``fp16_layers`` (``None``: fp16) and
+        ``layer_schedule`` applied."""
+        if base is None:
+            base = dict(
+                key_bits=self.key_bits, value_bits=self.value_bits,
+                fp16_sink_tokens=self.fp16_sink_tokens,
+                fp16_recent_tokens=self.fp16_recent_tokens,
+                center=self.center, query_aware_keys=self.query_aware_keys,
+            )
+        layers = list(range(num_layers))
+        fp16 = _fp16_layer_set(tuple(self.fp16_layers), layers, num_layers)
+        configs: List[Optional[Dict[str, Any]]] = [
+            None if k in fp16 else dict(base) for k in layers
+        ]
+        for k, spec in _schedule_layers(self.layer_schedule, num_layers):
+            if k not in fp16:
+                configs[k] = _override_config(spec, dict(base), k)
+        return configs
+
+
+def _layer_bits(cfg: Mapping[str, Any], head_dim: int, context: int, dense_bits: int = 16) -> float:
+    """Average stored bits per coordinate of one compressed layer (see
+    :meth:`KVPreset.bits_per_coordinate`) with TurboQuantKVCache arguments ``cfg``."""
+    sinks = min(cfg.get("fp16_sink_tokens", 0), context)
+    rest = context - sinks
+    recent = cfg.get("fp16_recent_tokens", 0)
+    window = min(recent, rest)
+    center = bool(cfg.get("center", False))
+    levers = center or bool(cfg.get("query_aware_keys", False))
+    calibrated = not levers or rest >= cfg.get("calibration_tokens", 32)
+    if not calibrated:
+        window = rest  # nothing is quantized before calibration
+    n_comp = rest - window
+    slack = min(cfg.get("rollback_tokens", 16), n_comp) if recent else 0
+    per_token_comp = (head_dim * cfg["key_bits"] + 16) + (head_dim * cfg["value_bits"] + 16)
+    bits = n_comp * per_token_comp + (sinks + window + slack) * 2 * head_dim * dense_bits
+    if levers and calibrated:
+        bits += (2 * center + bool(cfg.get("query_aware_keys", False))) * head_dim * 32
+    return bits / (2 * head_dim * context)
+
+
+def _schedule_layers(schedule, num_layers: int) -> List[Tuple[int, Any]]:
+    """``(layer index among num_layers compressible layers, spec)`` for a
+    ``KVPreset.layer_schedule``, in schedule order."""
+    out = []
+    span = max(num_layers - 1, 1)
+    for entry in schedule:
+        where, spec = entry[0], entry[1]
+        if len(entry) > 2 and num_layers < int(entry[2]):
+            continue  # (where, spec, min_layers): only on models that deep
+        if isinstance(where, (tuple, list)):
+            lo, hi = (float(x) for x in where)
+            ks = [k for k in range(num_layers) if lo - 1e-9 <= k / span <= hi + 1e-9]
+        else:
+            x = float(where)
+            if not 0.0 <= x <= 1.0:
+                raise ValueError(f"{_PREFIX} layer_schedule position {x} is not in [0, 1].")
+            ks = [min(num_layers - 1, int(math.floor(x * span + 0.5)))] if num_layers else []
+        out.extend((k, spec) for k in ks)
+    return out
+
+
+def _depth(layer: int, of: int = 29) -> float:
+    """Relative depth ``layer / of`` of a SmolLM2-135M layer (0..29), for
+    ``layer_schedule`` positions."""
+    return layer / of
+
+
+def _each(spec, *layers: int) -> Tuple[Tuple[float, Any], ...]:
+    """``layer_schedule`` entries giving ``spec`` to SmolLM2-135M layers ``layers``
+    (as relative depths)."""
+    return tuple((_depth(i), spec) for i in layers)
 
 
 # The preset table: edit here (values are to be tuned on bench/quality.py results).
 _PRESET_LIST = [
     KVPreset("fp16", None, None, description="no compression (mlx-lm's own caches)"),
-    # Headline presets; chosen on bench/quality.py perplexities (SmolLM2-135M).
+    # Headline presets, chosen on SmolLM2-135M-Instruct only (30 layers, head dim 64):
+    # single-layer KL sensitivities from bench/layer_sweep.py
+    # (bench/results/smollm2_layer_sweep.md: seed 0, 768 tokens), a knapsack within
+    # the bit budget at 1k tokens (layer_sweep.py --allocate), then perplexity over
+    # rotation seeds 0-2 at 3072 tokens (README). Per-layer schedules are written as
+    # relative depths (KVPreset.layer_schedule) so that they apply to any depth, but
+    # other models have other sensitive layers: re-run the sweep and --allocate.
+    #
+    # 4-bit class (<= 4.5 bits from 1k tokens on): the layer at 1/3 depth (SmolLM2's
+    # layer 10, whose keys carry the largest single-layer loss) in fp16, paid for by
+    # 3-bit values in the first layer and the back half. On SmolLM2 it lowers the KL
+    # to fp16 by ~10% on every seed and the mean perplexity loss from +3.5% to +3.0%
+    # (3072 tokens, seeds 0-2) vs the same bits everywhere (tq4-uniform). The fp16
+    # layer only fits the budget on models with >= 28 compressible layers
+    # (min_layers); shallower models get the 3-bit values' savings only.
     KVPreset(
         "tq4", 4, 4, fp16_sink_tokens=4, center=True,
-        description="4-bit keys and values, mean-centered, first 4 tokens (sinks) in fp16",
+        layer_schedule=(
+            (0.0, (4, 3)),
+            ((0.5, 1.0), (4, 3)),
+            (_depth(10), "fp16", 28),
+        ),
+        description="4-bit K/V, mean-centered, 4 fp16 sinks; the layer at 1/3 depth in fp16, "
+                    "3-bit values in the first layer and back half (4.40 bits at 3k tokens)",
     ),
-    # The 3-bit class (<= 3.5 bits): keys are where quality breaks, so 4-bit keys and
-    # 2-bit values (3.25 bits) beat 3-bit keys and values on SmolLM2-135M.
+    # 3-bit class (<= 3.5 bits from 1k tokens on): 4-bit keys and 3-bit values by
+    # default, 4-bit values where they are sensitive, 3-bit keys and/or 2-bit values
+    # where the layer is not (the --allocate solution at 3.5 bits, 1024 tokens; on
+    # SmolLM2 it cuts the loss of 4-bit keys with 2-bit values everywhere, k4v2). The
+    # layer list is SmolLM2's: on much shallower or deeper models the positions
+    # collide or thin out and the average moves (3.30 bits on 16 layers, 3.58 on 40,
+    # 1k tokens).
     KVPreset(
-        "tq3", 4, 2, fp16_sink_tokens=4, center=True,
-        description="4-bit keys, 2-bit values, mean-centered, 4 fp16 sinks (3.3 bits)",
+        "tq3", 4, 3, fp16_sink_tokens=4, center=True,
+        layer_schedule=(
+            _each((4, 4), 1, 10)
+            + _each((3, 3), 6, 7, 8, 27)
+            + _each((4, 2), 14, 17, 18, 22)
+            + _each((3, 2), 0, 15, 20, 24, 25, 28, 29)
+        ),
+        description="2-4-bit K/V chosen per layer (SmolLM2 sweep), mean-centered, "
+                    "4 fp16 sinks (3.44 bits at 3k tokens)",
+    ),
+    KVPreset(
+        "tq4-uniform", 4, 4, fp16_sink_tokens=4, center=True,
+        description="4-bit keys and values on every layer, mean-centered, 4 fp16 sinks "
+                    "(4.28 bits; the previous tq4)",
+    ),
+    KVPreset(
+        "k4v2", 4, 2, fp16_sink_tokens=4, center=True,
+        description="4-bit keys, 2-bit values on every layer, mean-centered, 4 fp16 sinks "
+                    "(3.3 bits; the previous tq3)",
     ),
     KVPreset(
         "k3v3", 3, 3, fp16_sink_tokens=4, center=True, query_aware_keys=True,
@@ -1333,7 +1460,7 @@ _PRESET_LIST = [
     KVPreset(
         "tq3-plus", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
         center=True,
-        description="tq3 with a recent window (64) and the first and last layer in fp16",
+        description="k4v2 with a recent window (64) and the first and last layer in fp16",
     ),
 ]
 PRESETS: Dict[str, KVPreset] = {p.name: p for p in _PRESET_LIST}
@@ -1483,6 +1610,8 @@ def make_prompt_cache(
         layer_overrides: ``{layer_index: spec}`` with spec ``"fp16"``/``None``
             (plain KVCache), a preset name, a ``(key_bits, value_bits)`` tuple, or a
             dict of :class:`TurboQuantKVCache` arguments. Only for compressible layers.
+            Applied after the preset's ``layer_schedule`` (which ``key_bits`` or
+            ``value_bits`` switch off: explicit bit widths apply to every layer).
         max_kv_size: Passed to mlx-lm's factory (rotating caches stay uncompressed).
         seed: Base seed of the per-layer rotations (:func:`layer_seed`).
         rollback_tokens, prefill_budget_bytes, window_dtype, calibration_tokens: See
@@ -1527,6 +1656,12 @@ def make_prompt_cache(
     configs: Dict[int, Optional[Dict[str, Any]]] = {}
     for i in compressible:
         configs[i] = None if (not compress or i in fp16) else dict(base)
+    if compress and key_bits is None and value_bits is None:
+        # The preset's per-layer schedule (explicit bit widths make every layer uniform).
+        for k, spec in _schedule_layers(p.layer_schedule, len(compressible)):
+            i = compressible[k]
+            if i not in fp16:
+                configs[i] = _override_config(spec, dict(base), i)
     for i, spec in (layer_overrides or {}).items():
         i = int(i)
         j = i % len(caches) if -len(caches) <= i < len(caches) else None
