@@ -33,7 +33,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -68,31 +67,23 @@ def parse_spec(spec: str, preset):
 
 
 def run_ppl_kl(runner, cache, ids, chunk, ref_lp=None):
-    """Chunked teacher-forced perplexity (as quality.perplexity) and, given the fp16
+    """Chunked teacher-forced perplexity (quality.perplexity) and, given the fp16
     run's log-probs ``ref_lp`` (one float32 array per chunk), the mean KL divergence
-    KL(fp16 || this) over all positions in nats. Returns (ppl, kl, log-probs)."""
-    nll, n, kl, nkl = 0.0, 0, 0.0, 0
-    prev_last = None
+    KL(fp16 || this) over all positions in nats. Returns (ppl, kl, log-probs), the
+    log-probs only when ``ref_lp`` is None (for the reference run itself)."""
     lps = []
-    for j, s in enumerate(range(0, len(ids), chunk)):
-        part = ids[s : s + chunk]
-        h = runner.hidden(mx.array(part)[None], cache)
-        quality._eval_cache(cache)
-        lp = quality._log_softmax(runner.logits(h))
-        tgt = np.asarray(part[1:])
-        nll -= float(lp[np.arange(len(tgt)), tgt].sum())
-        n += len(tgt)
-        if prev_last is not None:
-            nll -= float(prev_last[part[0]])
-            n += 1
-        prev_last = lp[-1]
+    kl = [0.0, 0]  # sum, positions
+
+    def on_chunk(j, lp):
         if ref_lp is None:
             lps.append(lp)
         else:
             r = ref_lp[j]
-            kl += float((np.exp(r) * (r - lp)).sum())
-            nkl += lp.shape[0]
-    return math.exp(nll / n), (kl / nkl if nkl else 0.0), lps
+            kl[0] += float((np.exp(r) * (r - lp)).sum())
+            kl[1] += lp.shape[0]
+
+    ppl, _ = quality.perplexity(runner, cache, ids, chunk, on_chunk)
+    return ppl, (kl[0] / kl[1] if kl[1] else 0.0), lps
 
 
 def make_cache(tq, model, preset, mode, layer, spec, seed):
@@ -306,11 +297,7 @@ def main(argv=None):
         out.append("- " + ", ".join(f"{args.preset} seed {s}: {100 * (v / ref - 1):+.2f}%"
                                     for s, v in base.items()) + "\n")
     out.append(quality._md_table(["layer"] + [f"{s} s{seed}" for s, seed in cols], rows))
-    text = "\n".join(out)
-    print(text)
-    if args.markdown_out:
-        with open(args.markdown_out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    quality.report("\n".join(out), args.markdown_out)
     return 0
 
 
@@ -348,11 +335,7 @@ def evaluate(args, tq, preset, model, runner, ids, ref, ref_lp, seeds, log):
            f"{ref:.4f}; seeds {','.join(map(str, seeds))})\n",
            quality._md_table(["config", "bits/coord", "ppl vs fp16 per seed", "mean",
                               "KL mnat per seed", "definition"], rows)]
-    text = "\n".join(out)
-    print(text)
-    if args.markdown_out:
-        with open(args.markdown_out, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    quality.report("\n".join(out), args.markdown_out)
     return 0
 
 

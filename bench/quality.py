@@ -345,16 +345,26 @@ def license_text(files: Sequence[str] = PPL_FILES) -> str:
 # (a) perplexity
 
 
-def perplexity(runner: Runner, cache, ids: List[int], chunk: int):
-    """Chunked teacher-forced perplexity through ``cache``; returns (ppl, n_predicted)."""
+def perplexity(
+    runner: Runner,
+    cache,
+    ids: List[int],
+    chunk: int,
+    on_chunk: Optional[Callable[[int, np.ndarray], None]] = None,
+):
+    """Chunked teacher-forced perplexity through ``cache``; returns (ppl, n_predicted).
+    ``on_chunk(j, log_probs)`` is called with chunk j's float32 (tokens, vocab)
+    log-probabilities (e.g. for a KL against a reference run)."""
     nll = 0.0
     n = 0
     prev_last = None  # log-probs of the last position of the previous chunk
-    for s in range(0, len(ids), chunk):
+    for j, s in enumerate(range(0, len(ids), chunk)):
         part = ids[s : s + chunk]
         h = runner.hidden(mx.array(part)[None], cache)
         _eval_cache(cache)
         lp = _log_softmax(runner.logits(h))
+        if on_chunk is not None:
+            on_chunk(j, lp)
         tgt = np.asarray(part[1:])
         nll -= float(lp[np.arange(len(tgt)), tgt].sum())
         n += len(tgt)
@@ -479,6 +489,14 @@ def cache_bytes(cache, tokens: int, n_kv_heads: int, head_dim: int):
 
 # ---------------------------------------------------------------------------
 # Tables
+
+
+def report(text: str, markdown_out: Optional[str]) -> None:
+    """Prints the tables and, given a path, writes them there too."""
+    print(text)
+    if markdown_out:
+        with open(markdown_out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -690,11 +708,7 @@ def main(argv=None):
 
     total = time.perf_counter() - t_start
     out.append(f"\n\nTotal wall time {total:.0f} s (model load {t_load:.1f} s).\n")
-    text = "\n".join(out)
-    print(text)
-    if args.markdown_out:
-        with open(args.markdown_out, "w", encoding="utf-8") as fh:
-            fh.write(text)
+    report("\n".join(out), args.markdown_out)
     return 0
 
 
