@@ -207,11 +207,11 @@ __device__ __forceinline__ uint32_t tq_pair(const unsigned char* tab, uint32_t i
   return *reinterpret_cast<const uint32_t*>(tab + idx * STRIDE);
 }
 
-/// Byte K of w as the offset of its entry in a 256-byte-stride table, plus this lane's
-/// column (lane4 = 4 * lane < 256): one byte_perm, [lane4, w.byte K, 0, 0].
-template <int K>
-__device__ __forceinline__ uint32_t tq_byte_addr(uint32_t w, uint32_t lane4) {
-  return __byte_perm(w, lane4, 0x5504u | (uint32_t(K) << 4));
+/// Byte k of w as the offset of its entry in a 256-byte-stride table, plus this lane's
+/// column (lane4 = 4 * lane < 256): one byte_perm, [lane4, w.byte k, 0, 0] (k is a
+/// constant after unrolling, so the selector is an immediate).
+__device__ __forceinline__ uint32_t tq_byte_addr(uint32_t w, uint32_t lane4, int k) {
+  return __byte_perm(w, lane4, 0x5504u | (uint32_t(k) << 4));
 }
 
 __device__ __forceinline__ uint32_t tq_lds(const unsigned char* smem, uint32_t offset) {
@@ -272,17 +272,11 @@ __device__ __forceinline__ void tq_mma_step(
       if constexpr (KB == 4) {
         // k-block kb: bytes 2kb, 2kb+1 of the slice (word kb / 2)
         const uint32_t w0 = tl.k[m][0][kb >> 1], w1 = tl.k[m][1][kb >> 1];
-        if (kb & 1) {
-          a[0] = tq_lds(smem, tq_byte_addr<2>(w0, lane4));
-          a[1] = tq_lds(smem, tq_byte_addr<2>(w1, lane4));
-          a[2] = tq_lds(smem, tq_byte_addr<3>(w0, lane4));
-          a[3] = tq_lds(smem, tq_byte_addr<3>(w1, lane4));
-        } else {
-          a[0] = tq_lds(smem, tq_byte_addr<0>(w0, lane4));
-          a[1] = tq_lds(smem, tq_byte_addr<0>(w1, lane4));
-          a[2] = tq_lds(smem, tq_byte_addr<1>(w0, lane4));
-          a[3] = tq_lds(smem, tq_byte_addr<1>(w1, lane4));
-        }
+        const int k0 = 2 * (kb & 1);
+        a[0] = tq_lds(smem, tq_byte_addr(w0, lane4, k0));
+        a[1] = tq_lds(smem, tq_byte_addr(w1, lane4, k0));
+        a[2] = tq_lds(smem, tq_byte_addr(w0, lane4, k0 + 1));
+        a[3] = tq_lds(smem, tq_byte_addr(w1, lane4, k0 + 1));
       } else {
         a[0] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb) * KB));
         a[1] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb) * KB));
@@ -404,33 +398,12 @@ __device__ __forceinline__ void tq_mma_step(
         const unsigned char* vt = smem + C::VOFF;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
+          // byte k -> m-block 4j + k
           uint32_t a[4];
-          switch (k) { // byte k -> m-block 4j + k (constant after unrolling)
-            case 0:
-              a[0] = tq_lds(vt, tq_byte_addr<0>(e01, lane4));
-              a[1] = tq_lds(vt, tq_byte_addr<0>(o01, lane4));
-              a[2] = tq_lds(vt, tq_byte_addr<0>(e23, lane4));
-              a[3] = tq_lds(vt, tq_byte_addr<0>(o23, lane4));
-              break;
-            case 1:
-              a[0] = tq_lds(vt, tq_byte_addr<1>(e01, lane4));
-              a[1] = tq_lds(vt, tq_byte_addr<1>(o01, lane4));
-              a[2] = tq_lds(vt, tq_byte_addr<1>(e23, lane4));
-              a[3] = tq_lds(vt, tq_byte_addr<1>(o23, lane4));
-              break;
-            case 2:
-              a[0] = tq_lds(vt, tq_byte_addr<2>(e01, lane4));
-              a[1] = tq_lds(vt, tq_byte_addr<2>(o01, lane4));
-              a[2] = tq_lds(vt, tq_byte_addr<2>(e23, lane4));
-              a[3] = tq_lds(vt, tq_byte_addr<2>(o23, lane4));
-              break;
-            default:
-              a[0] = tq_lds(vt, tq_byte_addr<3>(e01, lane4));
-              a[1] = tq_lds(vt, tq_byte_addr<3>(o01, lane4));
-              a[2] = tq_lds(vt, tq_byte_addr<3>(e23, lane4));
-              a[3] = tq_lds(vt, tq_byte_addr<3>(o23, lane4));
-              break;
-          }
+          a[0] = tq_lds(vt, tq_byte_addr(e01, lane4, k));
+          a[1] = tq_lds(vt, tq_byte_addr(o01, lane4, k));
+          a[2] = tq_lds(vt, tq_byte_addr(e23, lane4, k));
+          a[3] = tq_lds(vt, tq_byte_addr(o23, lane4, k));
 #pragma unroll
           for (int nb = 0; nb < NRB; ++nb) {
             tq_mma_16816(acc.o[nb][4 * j + k], a, pb[nb][0], pb[nb][1]);
