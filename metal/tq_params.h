@@ -66,7 +66,7 @@ struct TQAttnParams {
 };
 // Code rows must allow the kernel's vector loads: when a lane reads 2 or 4 whole words
 // of a token, every (batch, head, token) row start is 8 / 16-byte aligned (the host
-// copies a cache that is not, see tq_vector_aligned in the backends).
+// copies a cache that is not, see vector_aligned in the backends).
 
 /// Split-K merge (pass 2): rows = batch * q_heads * q_len.
 struct TQMergeParams {

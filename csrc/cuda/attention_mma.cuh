@@ -111,7 +111,7 @@ __device__ __forceinline__ uint32_t tq_bits_at(const uint32_t* a, int pos) {
 
 /// Loads the NBITS code bits of slice `j` (slices of NBITS bits each) of one token
 /// into a[], shifted to start at bit 0. Whole-word slices use 16- or 8-byte loads
-/// (the host guarantees the alignment, see mma_codes_aligned in eval_cuda.cu).
+/// (the host guarantees the alignment, see vector_aligned in eval_cuda.cu).
 template <int NBITS>
 __device__ __forceinline__ void tq_load_slice(const uint32_t* __restrict__ tok, int j, uint32_t* a) {
   constexpr int NW = (NBITS + 31) / 32;

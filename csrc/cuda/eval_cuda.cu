@@ -225,42 +225,10 @@ AttnShape attn_shape(int d) {
   return s;
 }
 
-/// Whether a cache's code rows satisfy the kernel's vector loads: lanes that read 2 or
-/// 4 whole words need every row start 8 / 16-byte aligned.
-bool vector_aligned(const mx::array& codes, int dl, int bits) {
-  int nb = dl * bits;
-  int na = nb / 32;
-  if (nb % 32 != 0 || (na != 2 && na != 4)) {
-    return true; // scalar loads
-  }
-  auto addr = reinterpret_cast<uintptr_t>(mx::gpu_ptr<void>(codes));
-  if (addr % (4 * na) != 0) {
-    return false;
-  }
-  for (int a = 0; a < 3; ++a) {
-    if (codes.strides()[a] % na != 0) {
-      return false;
-    }
-  }
-  return codes.strides()[3] == 1;
-}
-
-/// `codes` itself when the kernel can read it, else a row-contiguous copy (a
-/// temporary of this launch).
-mx::array readable_codes(const mx::array& codes, int dl, int bits, mx::cu::CommandEncoder& enc) {
-  if (vector_aligned(codes, dl, bits)) {
-    return codes;
-  }
-  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
-  take_buffer_copy(codes, copy, enc);
-  enc.add_temporary(copy);
-  return copy;
-}
-
-/// Whether the code rows of `codes` allow the tensor-core kernel's vector loads of
-/// slices of `slice_bits` bits (16-byte loads when a slice is a multiple of 4 words,
-/// 8-byte loads for 2 words).
-bool mma_codes_aligned(const mx::array& codes, int slice_bits) {
+/// Whether a cache's code rows allow the kernels' vector loads of per-lane slices of
+/// `slice_bits` bits: a slice of a multiple of 4 (2) whole words is read with 16-byte
+/// (8-byte) loads, so every row start must be 16 (8)-byte aligned.
+bool vector_aligned(const mx::array& codes, int slice_bits) {
   if (slice_bits % 32 != 0) {
     return true; // word loads
   }
@@ -279,6 +247,18 @@ bool mma_codes_aligned(const mx::array& codes, int slice_bits) {
     }
   }
   return true;
+}
+
+/// `codes` itself when the kernel can read it (slices of `slice_bits` bits per lane),
+/// else a row-contiguous copy (a temporary of this launch).
+mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::CommandEncoder& enc) {
+  if (vector_aligned(codes, slice_bits)) {
+    return codes;
+  }
+  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
+  take_buffer_copy(codes, copy, enc);
+  enc.add_temporary(copy);
+  return copy;
 }
 
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
@@ -404,21 +384,12 @@ void attention(
   const int nrb = rows <= 8 || D > 128 ? 1 : 2;
   const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb);
   AttnShape sh = attn_shape(D);
-  mx::array kc = inputs[1];
-  mx::array vc = inputs[3];
-  if (mma_sym != nullptr) {
-    for (auto [codes, bits] : {std::pair{&kc, D / 4 * kb}, std::pair{&vc, D / 8 * vb}}) {
-      if (!mma_codes_aligned(*codes, bits)) {
-        mx::array copy(codes->shape(), codes->dtype(), nullptr, {});
-        take_buffer_copy(*codes, copy, enc);
-        enc.add_temporary(copy);
-        *codes = copy;
-      }
-    }
-  } else {
-    kc = readable_codes(inputs[1], sh.DL, kb, enc);
-    vc = readable_codes(inputs[3], sh.DL, vb, enc);
-  }
+  // Bits of codes one lane reads per token: tensor-core kernel D/4 key and D/8 value
+  // coordinates, SIMT kernel DL of each.
+  const int k_slice = mma_sym != nullptr ? D / 4 * kb : sh.DL * kb;
+  const int v_slice = mma_sym != nullptr ? D / 8 * vb : sh.DL * vb;
+  const mx::array kc = readable_codes(inputs[1], k_slice, enc);
+  const mx::array vc = readable_codes(inputs[3], v_slice, enc);
 
   allocate(out, enc);
   allocate(lse, enc);
