@@ -451,23 +451,23 @@ void attention(
   p.split_len = split_len;
 
   const bool lo = D <= 128;
-  const void* sym = mma_sym;
-  switch (mma_sym != nullptr ? mx::uint8 : q.dtype()) {
-    case mx::uint8: // tensor-core kernel chosen above
-      break;
-    case mx::float32:
-      sym = lo ? ck::attention_kernel_f32_lo(D, kb, vb) : ck::attention_kernel_f32_hi(D, kb, vb);
-      break;
-    case mx::float16:
-      sym = lo ? ck::attention_kernel_f16_lo(D, kb, vb) : ck::attention_kernel_f16_hi(D, kb, vb);
-      break;
-    case mx::bfloat16:
-      sym = lo ? ck::attention_kernel_bf16_lo(D, kb, vb)
-               : ck::attention_kernel_bf16_hi(D, kb, vb);
-      break;
-    default:
-      throw std::invalid_argument(
-          "[turboquant_mlx.compressed_attention] queries must be float32, float16 or bfloat16.");
+  const void* sym = mma_sym; // else the SIMT kernel for the query dtype
+  if (sym == nullptr) {
+    switch (q.dtype()) {
+      case mx::float32:
+        sym = lo ? ck::attention_kernel_f32_lo(D, kb, vb) : ck::attention_kernel_f32_hi(D, kb, vb);
+        break;
+      case mx::float16:
+        sym = lo ? ck::attention_kernel_f16_lo(D, kb, vb) : ck::attention_kernel_f16_hi(D, kb, vb);
+        break;
+      case mx::bfloat16:
+        sym = lo ? ck::attention_kernel_bf16_lo(D, kb, vb)
+                 : ck::attention_kernel_bf16_hi(D, kb, vb);
+        break;
+      default:
+        throw std::invalid_argument(
+            "[turboquant_mlx.compressed_attention] queries must be float32, float16 or bfloat16.");
+    }
   }
   auto f = get_function(sym, "compressed_attention");
 
