@@ -6,11 +6,16 @@
 
 import argparse
 import math
+import os
+import sys
 
 import mlx.core as mx
 import numpy as np
 
-from turboquant_mlx import codebook, ops
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_gpu import random_cache  # noqa: E402
+from turboquant_mlx import codebook, ops  # noqa: E402
 
 
 def main():
@@ -26,14 +31,8 @@ def main():
     a = ap.parse_args()
     n, d, hkv = a.context, a.head_dim, a.kv_heads
 
-    def cache(bits):
-        w = d * bits // 32
-        codes = mx.random.randint(0, 2**31 - 1, (1, hkv, n, w), dtype=mx.int32)
-        scales = mx.random.uniform(0.5, 2.0, (1, hkv, n)).astype(mx.float16)
-        return codes.astype(mx.uint32), scales
-
-    kc, ks = cache(a.key_bits)
-    vc, vs = cache(a.value_bits)
+    kc, ks = random_cache(1, hkv, n, d, a.key_bits)
+    vc, vs = random_cache(1, hkv, n, d, a.value_bits)
     q = mx.random.normal((1, a.q_heads, 1, d)).astype(getattr(mx, a.dtype))
     kcent = mx.array(codebook.lloyd_max_centroids(d, a.key_bits).astype(np.float32))
     vcent = mx.array(codebook.lloyd_max_centroids(d, a.value_bits).astype(np.float32))
