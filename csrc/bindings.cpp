@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "buffer_copies.h"
 #include "gpu.h"
 #include "ops.h"
 
@@ -18,6 +19,11 @@ NB_MODULE(_ext, m) {
   m.def("words_per_token", &tq::words_per_token, "head_dim"_a, "bits"_a,
         "32-bit words one token of `head_dim` coordinates takes at `bits` bits.");
 
+  m.def("buffer_copies", &tq::buffer_copies,
+        "Cache-buffer copies the primitives made so far in this process: a quantize_append "
+        "that could not reuse the cache's buffers (O(capacity) instead of O(new tokens)), or "
+        "an attention call that copied codes its kernel cannot read in place. "
+        "TURBOQUANT_DEBUG_COPIES=1 prints each one's cause to stderr.");
   m.def("gpu_available", &tq::gpu::available,
         "True when this build carries GPU kernels.");
   m.def("gpu_backend", &tq::gpu::backend_name,

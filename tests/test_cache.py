@@ -348,6 +348,37 @@ def test_capacity_grows_geometrically_and_reserve_preallocates():
         assert reserved._k_codes.shape[2] == 3072  # one allocation, rounded to the step
 
 
+@pytest.mark.parametrize("preset", [None, "tq4"])
+def test_decode_appends_reuse_the_cache_buffers(preset):
+    # Each decode step (append one token, attend, evaluate) must append in place: a
+    # copy of the cache's buffers per token is O(context) and, at long context, costs
+    # more than the attention. The primitives count every copy they make.
+    from turboquant_mlx import _ext
+
+    rng = np.random.default_rng(0)
+    if preset is None:
+        cache = TurboQuantKVCache(4, 4)
+    else:
+        cache = TurboQuantKVCache(**get_preset(preset).layer_configs(4)[1])
+    cache.reserve(600)
+    cache.update_and_fetch(_rand(rng, (1, 2, 512, 64)), _rand(rng, (1, 2, 512, 64)))
+    mx.eval(cache._k_codes, cache._v_codes)
+    before = _ext.buffer_copies()
+    for _ in range(8):
+        k, v = _rand(rng, (1, 2, 1, 64), mx.float16), _rand(rng, (1, 2, 1, 64), mx.float16)
+        cache.update_and_fetch(k, v)
+        out = cache.attention(_rand(rng, (1, 4, 1, 64), mx.float16), scale=0.125)
+        mx.eval(out)
+    assert _ext.buffer_copies() == before
+    # A buffer someone else still holds is copied, never overwritten (and counted).
+    held = cache._k_codes
+    snapshot = np.array(held)
+    cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+    mx.eval(cache._k_codes)
+    assert _ext.buffer_copies() > before
+    np.testing.assert_array_equal(np.array(held), snapshot)
+
+
 def test_deepcopy_is_independent():
     rng = np.random.default_rng(0)
     cache, _, _ = _filled(rng, [20], fp16_recent_tokens=4)

@@ -112,6 +112,14 @@ step_decode() {
   grep -E "Error|error" "$OUT/decode.log" | head -20
 }
 
+# Step time of the 8B-shaped model with parts of the compressed cache left out.
+step_breakdown() {
+  (cd bench && run_step breakdown "${TQ_BREAKDOWN_TIMEOUT:-200}" python3 decode_breakdown.py \
+    ${TQ_BREAKDOWN_ARGS:-})
+  sed -n '/^### Decode step breakdown/,$p' "$OUT/breakdown.log"
+  grep -E "Error|error" "$OUT/breakdown.log" | head -20
+}
+
 step_bench() {
   local t0=$SECONDS
   timeout -s INT -k 15 "$(budget "${TQ_BENCH_TIMEOUT:-300}")" python3 bench/bench_gpu.py \
@@ -170,6 +178,7 @@ for step in "$@"; do
     bench) export PYTHONPATH=/tmp/site; step_bench ;;
     suite) export PYTHONPATH=/tmp/site; step_suite ;;
     decode) export PYTHONPATH=/tmp/site; step_decode ;;
+    breakdown) export PYTHONPATH=/tmp/site; step_breakdown ;;
     summary) step_summary ;;
     diag) step_diag ;;
     profile) step_profile ;;

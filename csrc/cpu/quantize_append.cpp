@@ -5,6 +5,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 
+#include "buffer_copies.h"
 #include "cpu/codec.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
@@ -23,6 +24,7 @@ void take_buffer(const mx::array& in, mx::array& out, const mx::Stream& s) {
     out.copy_shared_buffer(in);
     return;
   }
+  count_buffer_copy("quantize_append", in);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(in);

@@ -40,10 +40,6 @@
 
 namespace turboquant_mlx::cuda_kernels {
 
-/// Warps of a tensor-core attention block.
-#define TQ_MMA_WARPS 4
-#define TQ_MMA_THREADS (TQ_MMA_WARPS * 32)
-
 /// Compile-time shape of the tensor-core kernel for head dim D and NRB blocks of 8 query
 /// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16).
 template <int D, int KB, int VB, int NRB>
@@ -51,10 +47,17 @@ struct TQMmaConfig {
   static constexpr int KBLK = D / 16; // k-blocks of the score mma = m-blocks of the value mma
   static constexpr int MT = 1; // 16-token tiles per warp iteration
   static constexpr int TILE = 16 * MT; // tokens per warp iteration
-  static constexpr int STEP = TQ_MMA_WARPS * TILE; // tokens per block iteration
+  // 4-bit keys: tables at a 64 KiB-aligned shared address (see tq_byte_addr), which
+  // takes up to 128 KiB of shared memory: one block of 8 warps per SM. Otherwise blocks
+  // of 4 warps, several per SM.
+  static constexpr bool BYTE_ADDR = KB == 4;
+  static constexpr int WARPS = BYTE_ADDR ? 8 : 4;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int STEP = WARPS * TILE; // tokens per block iteration
   static constexpr int ROWS = 8 * NRB;
   // resident blocks per SM the registers are budgeted for (no spills at these limits)
-  static constexpr int BLOCKS = D <= 128 ? (NRB == 1 ? 3 : 2) : (NRB == 1 ? 2 : 1);
+  static constexpr int BLOCKS =
+      BYTE_ADDR ? 1 : D <= 128 ? (NRB == 1 ? 3 : 2) : (NRB == 1 ? 2 : 1);
   // code words a thread reads per token: keys D/4 coordinates, values D/8
   static constexpr int KBITS = D / 4 * KB;
   static constexpr int VBITS = D / 8 * VB;
@@ -71,8 +74,9 @@ struct TQMmaConfig {
   static constexpr int VOFF = VB == 4 ? 128 : KTAB; // value table offset
   static constexpr int VTAB = VB == 4 ? 0 : (1 << (2 * VB)) * VSTRIDE;
   static constexpr int PTILE = ROWS * 16 * 2;
-  static constexpr int LOOP_SMEM = KTAB + VTAB + TQ_MMA_WARPS * PTILE;
-  static constexpr int MERGE_SMEM = TQ_MMA_WARPS * ROWS * (D + 2) * 4;
+  static constexpr int TAB_ALIGN = BYTE_ADDR ? 65536 : 16; // of the tables' shared address
+  static constexpr int LOOP_SMEM = TAB_ALIGN - 16 + KTAB + VTAB + WARPS * PTILE;
+  static constexpr int MERGE_SMEM = WARPS * ROWS * (D + 2) * 4;
   static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
 };
 
@@ -176,6 +180,7 @@ struct TQMmaCache {
   const uint32_t* vc;
   const __half* vs;
   int kc_tok, ks_tok, vc_tok, vs_tok;
+  float score_up; // 2^qexp: the scale the queries were divided by, restored on the key scales
 };
 
 template <int D, int KB, int VB, int NRB>
@@ -189,7 +194,7 @@ __device__ __forceinline__ void tq_mma_load(
     for (int h = 0; h < 2; ++h) {
       const int t = min(tb + g + 8 * h, t_last); // past the end: re-read a valid token
       tq_load_slice<C::KBITS>(c.kc + t * c.kc_tok, cc, tl.k[m][h]);
-      tl.ks[m][h] = __half2float(c.ks[t * c.ks_tok]);
+      tl.ks[m][h] = __half2float(c.ks[t * c.ks_tok]) * c.score_up;
       tl.vs[m][h] = __half2float(c.vs[t * c.vs_tok]);
     }
 #pragma unroll
@@ -202,20 +207,29 @@ __device__ __forceinline__ void tq_mma_load(
 
 /// Float16 centroid pair of table entry `idx` for this lane (tab points at the lane's
 /// column of the table, entries STRIDE bytes apart).
+
+
+/// Shared address of the entry that byte k of w indexes in a 256-byte-stride table, in
+/// this lane's column: lane_base = table address (a multiple of 64 KiB) | 4 * lane, so
+/// one byte_perm [lane_base.byte 0, w.byte k, lane_base.byte 2, lane_base.byte 3] forms
+/// the whole address (k is a constant after unrolling: the selector is an immediate).
+/// Without the alignment every lookup needs one more add: ptxas keeps the table base
+/// in a register and adds it to each address when the loop holds warp-synchronous
+/// operations (shuffles, __syncwarp), which the softmax and the P exchange need.
+__device__ __forceinline__ uint32_t tq_byte_addr(uint32_t w, uint32_t lane_base, int k) {
+  return __byte_perm(w, lane_base, 0x7604u | (uint32_t(k) << 4));
+}
+
+/// The word at shared-memory address `addr` (shared window, not generic).
+__device__ __forceinline__ uint32_t tq_lds(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 template <int STRIDE>
-__device__ __forceinline__ uint32_t tq_pair(const unsigned char* tab, uint32_t idx) {
-  return *reinterpret_cast<const uint32_t*>(tab + idx * STRIDE);
-}
-
-/// Byte k of w as the offset of its entry in a 256-byte-stride table, plus this lane's
-/// column (lane4 = 4 * lane < 256): one byte_perm, [lane4, w.byte k, 0, 0] (k is a
-/// constant after unrolling, so the selector is an immediate).
-__device__ __forceinline__ uint32_t tq_byte_addr(uint32_t w, uint32_t lane4, int k) {
-  return __byte_perm(w, lane4, 0x5504u | (uint32_t(k) << 4));
-}
-
-__device__ __forceinline__ uint32_t tq_lds(const unsigned char* smem, uint32_t offset) {
-  return *reinterpret_cast<const uint32_t*>(smem + offset);
+__device__ __forceinline__ uint32_t tq_pair(uint32_t tab, uint32_t idx) {
+  return tq_lds(tab + idx * STRIDE);
 }
 
 /// Online-softmax state of one thread: rows nb*8 + 2c + {0, 1} for each row block nb.
@@ -232,8 +246,7 @@ __device__ __forceinline__ void tq_mma_step(
     TQMmaAcc<D, NRB>& acc,
     const TQMmaTile<D, KB, VB, NRB>& tl,
     const uint32_t (&qf)[NRB][D / 16][2],
-    const unsigned char* smem, // tables (see TQMmaConfig)
-    uint32_t lane4,
+    uint32_t lane_base, // tables' shared address | 4 * lane
     __half* ptile,
     int t0,
     int t_end,
@@ -247,8 +260,9 @@ __device__ __forceinline__ void tq_mma_step(
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK;
 
-  const unsigned char* ktab = smem + lane4;
-  const unsigned char* vtab = smem + C::VOFF + lane4;
+  // this lane's column of the tables (see TQMmaConfig)
+  const uint32_t ktab = lane_base;
+  const uint32_t vtab = C::VOFF + lane_base;
 
   // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. Even and
   // odd k-blocks accumulate apart (two mma chains of half the length) where the
@@ -273,10 +287,10 @@ __device__ __forceinline__ void tq_mma_step(
         // k-block kb: bytes 2kb, 2kb+1 of the slice (word kb / 2)
         const uint32_t w0 = tl.k[m][0][kb >> 1], w1 = tl.k[m][1][kb >> 1];
         const int k0 = 2 * (kb & 1);
-        a[0] = tq_lds(smem, tq_byte_addr(w0, lane4, k0));
-        a[1] = tq_lds(smem, tq_byte_addr(w1, lane4, k0));
-        a[2] = tq_lds(smem, tq_byte_addr(w0, lane4, k0 + 1));
-        a[3] = tq_lds(smem, tq_byte_addr(w1, lane4, k0 + 1));
+        a[0] = tq_lds(tq_byte_addr(w0, lane_base, k0));
+        a[1] = tq_lds(tq_byte_addr(w1, lane_base, k0));
+        a[2] = tq_lds(tq_byte_addr(w0, lane_base, k0 + 1));
+        a[3] = tq_lds(tq_byte_addr(w1, lane_base, k0 + 1));
       } else {
         a[0] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][0], (4 * kb) * KB));
         a[1] = tq_pair<C::KSTRIDE>(ktab, tq_bits_at<2 * KB>(tl.k[m][1], (4 * kb) * KB));
@@ -395,15 +409,14 @@ __device__ __forceinline__ void tq_mma_step(
         const uint32_t o01 = ((w0 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
         const uint32_t e23 = (w2 & 0x0F0F0F0Fu) | ((w3 << 4) & 0xF0F0F0F0u);
         const uint32_t o23 = ((w2 >> 4) & 0x0F0F0F0Fu) | (w3 & 0xF0F0F0F0u);
-        const unsigned char* vt = smem + C::VOFF;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           // byte k -> m-block 4j + k
           uint32_t a[4];
-          a[0] = tq_lds(vt, tq_byte_addr(e01, lane4, k));
-          a[1] = tq_lds(vt, tq_byte_addr(o01, lane4, k));
-          a[2] = tq_lds(vt, tq_byte_addr(e23, lane4, k));
-          a[3] = tq_lds(vt, tq_byte_addr(o23, lane4, k));
+          a[0] = tq_lds(tq_byte_addr(e01, lane_base, k) + C::VOFF);
+          a[1] = tq_lds(tq_byte_addr(o01, lane_base, k) + C::VOFF);
+          a[2] = tq_lds(tq_byte_addr(e23, lane_base, k) + C::VOFF);
+          a[3] = tq_lds(tq_byte_addr(o23, lane_base, k) + C::VOFF);
 #pragma unroll
           for (int nb = 0; nb < NRB; ++nb) {
             tq_mma_16816(acc.o[nb][4 * j + k], a, pb[nb][0], pb[nb][1]);
@@ -436,11 +449,12 @@ __device__ __forceinline__ void tq_mma_step(
   }
 }
 
-/// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQ_MMA_THREADS threads;
+/// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQMmaConfig::THREADS threads;
 /// dynamic shared memory TQMmaConfig::SMEM bytes. Arguments as tq_attention_impl;
 /// q is float16 or (q_bf16 != 0) bfloat16.
 template <int D, int KB, int VB, int NRB>
-__global__ void __launch_bounds__(TQ_MMA_THREADS, (TQMmaConfig<D, KB, VB, NRB>::BLOCKS))
+__global__ void __launch_bounds__(
+    TQMmaConfig<D, KB, VB, NRB>::THREADS, TQMmaConfig<D, KB, VB, NRB>::BLOCKS)
 tq_attention_mma_kernel(
     const void* __restrict__ q,
     const uint32_t* __restrict__ k_codes,
@@ -466,18 +480,22 @@ tq_attention_mma_kernel(
   const int b = blockIdx.z / p.kv_heads, kvh = blockIdx.z % p.kv_heads;
   const int row0 = chunk * ROWS;
   const int nr = min(ROWS, p.rows - row0);
-  __half* ptile = reinterpret_cast<__half*>(tq_mma_smem + C::KTAB + C::VTAB) + warp * ROWS * 16;
+  // tables from the first TAB_ALIGN-aligned shared address, then the warps' P tiles
+  const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(tq_mma_smem));
+  const uint32_t tab_off = (C::TAB_ALIGN - (smem_addr & (C::TAB_ALIGN - 1))) & (C::TAB_ALIGN - 1);
+  unsigned char* tabs = tq_mma_smem + tab_off;
+  __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * ROWS * 16;
 
   // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
   // per lane.
-  for (int i = threadIdx.x; i < (1 << (2 * KB)) * 32; i += TQ_MMA_THREADS) {
+  for (int i = threadIdx.x; i < (1 << (2 * KB)) * 32; i += C::THREADS) {
     const int e = i >> 5, l = i & 31;
-    *reinterpret_cast<uint32_t*>(tq_mma_smem + e * C::KSTRIDE + 4 * l) =
+    *reinterpret_cast<uint32_t*>(tabs + e * C::KSTRIDE + 4 * l) =
         tq_pack_half2(k_cent[e & ((1 << KB) - 1)], k_cent[e >> KB]);
   }
-  for (int i = threadIdx.x; i < (1 << (2 * VB)) * 32; i += TQ_MMA_THREADS) {
+  for (int i = threadIdx.x; i < (1 << (2 * VB)) * 32; i += C::THREADS) {
     const int e = i >> 5, l = i & 31;
-    *reinterpret_cast<uint32_t*>(tq_mma_smem + C::VOFF + e * C::VSTRIDE + 4 * l) =
+    *reinterpret_cast<uint32_t*>(tabs + C::VOFF + e * C::VSTRIDE + 4 * l) =
         tq_pack_half2(v_cent[e & ((1 << VB) - 1)], v_cent[e >> VB]);
   }
 
@@ -559,35 +577,29 @@ tq_attention_mma_kernel(
   const int t_begin = split * p.split_len;
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   const int t_fast = min(t_end, lim_min + 1);
-  const uint32_t lane4 = 4u * uint32_t(lane);
+  const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
   // Two tiles in flight per warp, used alternately (no register copies, so a tile's
   // loads are only waited for where it is decoded): tile a holds iteration 2i, tile b
   // iteration 2i + 1, each reloaded right after use. Loads past the split's end re-read
   // its last token.
-  auto run = [&](TQMmaTile<D, KB, VB, NRB>& tl, int t) {
-    if (qexp != 0) { // the score scale 2^qexp rides on the key scales
-#pragma unroll
-      for (int m = 0; m < C::MT; ++m) {
-        tl.ks[m][0] *= sup;
-        tl.ks[m][1] *= sup;
-      }
-    }
-    if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
-      tq_mma_step<D, KB, VB, NRB, false>(
-          acc, tl, qf, tq_mma_smem, lane4, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
-    } else {
-      tq_mma_step<D, KB, VB, NRB, true>(
-          acc, tl, qf, tq_mma_smem, lane4, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
-    }
-  };
   TQMmaTile<D, KB, VB, NRB> ta, tb;
   const int t_last = t_end - 1;
   int t0 = t_begin + warp * C::TILE;
+  c.score_up = sup;
   if (t0 < t_end) {
     tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_last, g, cc);
     tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + C::STEP, t_last), t_last, g, cc);
   }
   __syncthreads(); // tables ready
+  auto run = [&](TQMmaTile<D, KB, VB, NRB>& tl, int t) {
+    if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
+      tq_mma_step<D, KB, VB, NRB, false>(
+          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
+    } else {
+      tq_mma_step<D, KB, VB, NRB, true>(
+          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
+    }
+  };
   for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
     run(ta, t0);
     tq_mma_load<D, KB, VB, NRB>(ta, c, min(t0 + 2 * C::STEP, t_last), t_last, g, cc);
@@ -636,17 +648,17 @@ tq_attention_mma_kernel(
   __syncthreads();
 
   const bool single = p.n_splits == 1;
-  for (int i = threadIdx.x; i < nr * D; i += TQ_MMA_THREADS) {
+  for (int i = threadIdx.x; i < nr * D; i += C::THREADS) {
     const int r = i / D, d = i % D;
     float mm = tq_neg_inf();
 #pragma unroll
-    for (int w = 0; w < TQ_MMA_WARPS; ++w) {
+    for (int w = 0; w < C::WARPS; ++w) {
       mm = fmaxf(mm, red[w * ROWS * (D + 2) + r]);
     }
     float ll = 0.0f, o = 0.0f;
     if (mm != tq_neg_inf()) {
 #pragma unroll
-      for (int w = 0; w < TQ_MMA_WARPS; ++w) {
+      for (int w = 0; w < C::WARPS; ++w) {
         const float* rw = red + w * ROWS * (D + 2);
         const float f = rw[r] == tq_neg_inf() ? 0.0f : exp2f(rw[r] - mm);
         ll += rw[ROWS + r] * f;
@@ -681,16 +693,17 @@ const void* attention_mma_kernel_d256(int kb, int vb, int nrb);
 struct TQMmaShape {
   int smem; // dynamic shared memory, bytes
   int step; // tokens per block iteration (split lengths are multiples of it)
+  int threads; // per block
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
 };
 
 inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
-  TQMmaShape s{0, 0, 0};
+  TQMmaShape s{0, 0, 0, 0};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
     typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
                         decltype(nn)::value>
         C;
-    s = {C::SMEM, C::STEP, C::BLOCKS};
+    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
     if (nrb == 1) {

@@ -22,6 +22,7 @@
 #include "mlx/backend/cuda/utils.h"
 
 #include "attention_mma.cuh"
+#include "buffer_copies.h"
 #include "gpu.h"
 #include "tq_entry.cuh"
 
@@ -177,10 +178,9 @@ T* mptr(mx::array& a) {
   return mx::gpu_ptr<T>(a);
 }
 
-/// Gives `out` fresh memory holding a row-contiguous copy of `in` (4- or 2-byte
-/// elements, up to 4 axes).
-void take_buffer_copy(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
-  allocate(out, enc);
+/// Writes a row-contiguous copy of `in` (4- or 2-byte elements, up to 4 axes) into
+/// `out`'s memory.
+void copy_into(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
   TQCopyParams p{};
   int nd = in.ndim();
   for (int a = 0; a < 4; ++a) {
@@ -202,13 +202,17 @@ void take_buffer_copy(const mx::array& in, mx::array& out, mx::cu::CommandEncode
 }
 
 /// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
-/// O(new tokens) path), else a row-contiguous copy.
+/// O(new tokens) path), else a row-contiguous copy. The copy lives in memory of MLX's
+/// allocator: MLX donates only buffers its allocator owns, and a cache buffer in the
+/// pool above could then never be reused again -- every later append would copy it.
 void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
   if (in.flags().row_contiguous && in.is_donatable()) {
     out.copy_shared_buffer(in);
     return;
   }
-  take_buffer_copy(in, out, enc);
+  count_buffer_copy("quantize_append", in);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  copy_into(in, out, enc);
 }
 
 /// Attention kernel shape for a runtime head dim (see TQAttnConfig).
@@ -255,8 +259,10 @@ mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::Command
   if (vector_aligned(codes, slice_bits)) {
     return codes;
   }
+  count_buffer_copy("compressed_attention", codes);
   mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
-  take_buffer_copy(codes, copy, enc);
+  allocate(copy, enc);
+  copy_into(codes, copy, enc);
   enc.add_temporary(copy);
   return copy;
 }
@@ -435,11 +441,12 @@ void attention(
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
-  // SM beat 8); tensor-core kernel two blocks per SM (each warp keeps two tiles in
-  // flight; measured on an H200 at 128k-256k keys: 2 per SM beat 3 and more).
+  // SM beat 8); tensor-core kernel eight warps per SM (each warp keeps two tiles in
+  // flight; measured on an H200 at 128k-256k keys: 2 blocks of 4 warps per SM beat 3
+  // and more), i.e. one block with 4-bit keys (8 warps), else two.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
-  ck::TQMmaShape msh{0, 0, 0};
+  ck::TQMmaShape msh{0, 0, 0, 0};
   if (mma_sym != nullptr) {
     msh = ck::attention_mma_shape(D, kb, vb, nrb);
   }
@@ -518,7 +525,7 @@ void attention(
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
     enc.add_kernel_node_ex(
-        f, grid, dim3(TQ_MMA_THREADS), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
+        f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
         vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
   } else {
     enc.add_kernel_node_ex(

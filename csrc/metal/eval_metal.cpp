@@ -13,6 +13,7 @@
 
 #include "mlx/backend/metal/device.h"
 
+#include "buffer_copies.h"
 #include "gpu.h"
 #include "tq_params.h"
 
@@ -133,6 +134,7 @@ void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
     out.copy_shared_buffer(in);
     return;
   }
+  count_buffer_copy("quantize_append", in);
   copy_buffer(in, out, d, s);
 }
 
@@ -146,6 +148,7 @@ mx::array readable_codes(
   if (vector_aligned(codes, dl, bits)) {
     return codes;
   }
+  count_buffer_copy("compressed_attention", codes);
   mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
   copy_buffer(codes, copy, d, s);
   mx::metal::get_command_encoder(s).add_temporary(copy);
