@@ -41,8 +41,9 @@
 namespace turboquant_mlx::cuda_kernels {
 
 /// Compile-time shape of the tensor-core kernel for head dim D and NRB blocks of 8 query
-/// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16).
-template <int D, int KB, int VB, int NRB>
+/// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16); W warps per block
+/// (0: the default below; see TQ_MMA_ALT_WARPS).
+template <int D, int KB, int VB, int NRB, int W = 0>
 struct TQMmaConfig {
   static constexpr int KBLK = D / 16; // k-blocks of the score mma = m-blocks of the value mma
   static constexpr int MT = 1; // 16-token tiles per warp iteration
@@ -51,7 +52,7 @@ struct TQMmaConfig {
   // takes up to 128 KiB of shared memory: one block of 8 warps per SM. Otherwise blocks
   // of 4 warps, several per SM.
   static constexpr bool BYTE_ADDR = KB == 4;
-  static constexpr int WARPS = BYTE_ADDR ? 8 : 4;
+  static constexpr int WARPS = W > 0 ? W : BYTE_ADDR ? 8 : 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STEP = WARPS * TILE; // tokens per block iteration
   static constexpr int ROWS = 8 * NRB;
@@ -450,11 +451,12 @@ __device__ __forceinline__ void tq_mma_step(
 }
 
 /// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQMmaConfig::THREADS threads;
+/// W: warps per block (TQMmaConfig).
 /// dynamic shared memory TQMmaConfig::SMEM bytes. Arguments as tq_attention_impl;
 /// q is float16 or (q_bf16 != 0) bfloat16.
-template <int D, int KB, int VB, int NRB>
+template <int D, int KB, int VB, int NRB, int W>
 __global__ void __launch_bounds__(
-    TQMmaConfig<D, KB, VB, NRB>::THREADS, TQMmaConfig<D, KB, VB, NRB>::BLOCKS)
+    TQMmaConfig<D, KB, VB, NRB, W>::THREADS, TQMmaConfig<D, KB, VB, NRB, W>::BLOCKS)
 tq_attention_mma_kernel(
     const void* __restrict__ q,
     const uint32_t* __restrict__ k_codes,
@@ -470,7 +472,7 @@ tq_attention_mma_kernel(
     float* __restrict__ ml_part,
     const __grid_constant__ TQAttnParams p,
     int q_bf16) {
-  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  typedef TQMmaConfig<D, KB, VB, NRB, W> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
 
@@ -685,9 +687,9 @@ tq_attention_mma_kernel(
 
 // Host-side lookup (attention_mma_d*.cu): the kernel's address for (kb, vb, nrb), or
 // nullptr when that combination has no tensor-core instantiation.
-const void* attention_mma_kernel_d64(int kb, int vb, int nrb);
-const void* attention_mma_kernel_d128(int kb, int vb, int nrb);
-const void* attention_mma_kernel_d256(int kb, int vb, int nrb);
+const void* attention_mma_kernel_d64(int kb, int vb, int nrb, int warps);
+const void* attention_mma_kernel_d128(int kb, int vb, int nrb, int warps);
+const void* attention_mma_kernel_d256(int kb, int vb, int nrb, int warps);
 
 /// Launch shape of the tensor-core kernel (host side).
 struct TQMmaShape {
@@ -697,12 +699,28 @@ struct TQMmaShape {
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
 };
 
-inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
+/// Warps per block of the alternative instantiation (4-bit keys, head dims <= 128, one
+/// row block: 12 warps fit 168 registers there without spilling), chosen with
+/// TURBOQUANT_MMA_WARPS=12 on the host; 0 elsewhere.
+#define TQ_MMA_ALT_WARPS 12
+template <int D, int KB, int NRB>
+constexpr bool tq_mma_has_alt_warps() {
+  return KB == 4 && D <= 128 && NRB == 1;
+}
+
+inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb, int warps) {
   TQMmaShape s{0, 0, 0, 0};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
-    typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
-                        decltype(nn)::value>
-        C;
+    constexpr int D = decltype(dd)::value, KB = decltype(kk)::value, NRB = decltype(nn)::value;
+    constexpr int VB = decltype(vv)::value;
+    if constexpr (tq_mma_has_alt_warps<D, KB, NRB>()) {
+      if (warps == TQ_MMA_ALT_WARPS) {
+        typedef TQMmaConfig<D, KB, VB, NRB, TQ_MMA_ALT_WARPS> C;
+        s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
+        return;
+      }
+    }
+    typedef TQMmaConfig<D, KB, VB, NRB> C;
     s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
@@ -738,16 +756,22 @@ inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
 /// Instantiations of one head dim: key/value bit pairs with KB >= VB (keys carry the
 /// softmax, presets never give values more bits), NRB 1 and (head dims <= 128) 2.
 template <int D>
-const void* attention_mma_kernel_for(int kb, int vb, int nrb) {
+const void* attention_mma_kernel_for(int kb, int vb, int nrb, int warps) {
   const void* k = nullptr;
   auto pick = [&](auto kk, auto vv) {
     constexpr int KB = decltype(kk)::value, VB = decltype(vv)::value;
     if constexpr (KB >= VB) { // (16 rows at head dim 256 would spill: chunks of 8 there)
       if (nrb == 1) {
-        k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 1>);
+        k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 1, 0>);
+        if constexpr (tq_mma_has_alt_warps<D, KB, 1>()) {
+          if (warps == TQ_MMA_ALT_WARPS) {
+            k = reinterpret_cast<const void*>(
+                &tq_attention_mma_kernel<D, KB, VB, 1, TQ_MMA_ALT_WARPS>);
+          }
+        }
       } else if (nrb == 2) {
         if constexpr (D <= 128) {
-          k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 2>);
+          k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 2, 0>);
         }
       }
     }

@@ -267,6 +267,13 @@ mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::Command
   return copy;
 }
 
+/// Warps per block of the tensor-core kernel where it has two instantiations
+/// (TURBOQUANT_MMA_WARPS=12, see TQ_MMA_ALT_WARPS); 0 = the default.
+int mma_warps() {
+  static const int w = env_int("TURBOQUANT_MMA_WARPS", 0);
+  return w;
+}
+
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, or
 /// TURBOQUANT_CUDA_ATTENTION=simt.
@@ -279,19 +286,21 @@ const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
     return nullptr;
   }
   switch (d) {
-    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb);
-    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb);
-    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb);
+    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb, mma_warps());
+    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb, mma_warps());
+    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb, mma_warps());
     default: return nullptr;
   }
 }
 
-/// Splits of the keys so that `target` blocks run at once, each split at least two
-/// block iterations (`step` tokens each) long; returns (splits, split_len).
+/// Splits of the keys so that at most `target` blocks (the resident ones) run, each
+/// split at least two block iterations (`step` tokens each) long; returns (splits,
+/// split_len). Rounding up instead would start a second wave of a few blocks that
+/// doubles the kernel's time.
 std::pair<int, int> key_splits(int kv_len, int units, int target, int step) {
   int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
   if (splits <= 0) {
-    splits = (target + units - 1) / units;
+    splits = std::max(1, target / units);
   }
   const int min_split = 2 * step;
   const int max_splits = std::max(1, (kv_len + min_split - 1) / min_split);
@@ -448,7 +457,7 @@ void attention(
   const int sms = sm_count(enc.device().cuda_device());
   ck::TQMmaShape msh{0, 0, 0, 0};
   if (mma_sym != nullptr) {
-    msh = ck::attention_mma_shape(D, kb, vb, nrb);
+    msh = ck::attention_mma_shape(D, kb, vb, nrb, mma_warps());
   }
   const int target = env_int(
       "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? std::min(2, msh.blocks_per_sm) * sms : 4 * sms);
