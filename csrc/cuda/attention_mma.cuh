@@ -41,18 +41,19 @@
 namespace turboquant_mlx::cuda_kernels {
 
 /// Compile-time shape of the tensor-core kernel for head dim D and NRB blocks of 8 query
-/// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16); W warps per block
-/// (0: the default below; see TQ_MMA_ALT_WARPS).
-template <int D, int KB, int VB, int NRB, int W = 0>
+/// rows (1: up to 8 rows, e.g. decode with GQA <= 8; 2: up to 16).
+template <int D, int KB, int VB, int NRB>
 struct TQMmaConfig {
   static constexpr int KBLK = D / 16; // k-blocks of the score mma = m-blocks of the value mma
   static constexpr int MT = 1; // 16-token tiles per warp iteration
   static constexpr int TILE = 16 * MT; // tokens per warp iteration
   // 4-bit keys: tables at a 64 KiB-aligned shared address (see tq_byte_addr), which
-  // takes up to 128 KiB of shared memory: one block of 8 warps per SM. Otherwise blocks
-  // of 4 warps, several per SM.
+  // takes up to 128 KiB of shared memory: one block per SM, of 12 warps where 168
+  // registers suffice (head dims <= 128, one row block), else 8. (H200, d128 K4V4,
+  // 128k-256k keys: 12 warps 15-17% faster than 8.) Otherwise blocks of 4 warps,
+  // several per SM.
   static constexpr bool BYTE_ADDR = KB == 4;
-  static constexpr int WARPS = W > 0 ? W : BYTE_ADDR ? 8 : 4;
+  static constexpr int WARPS = BYTE_ADDR ? (D <= 128 && NRB == 1 ? 12 : 8) : 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STEP = WARPS * TILE; // tokens per block iteration
   static constexpr int ROWS = 8 * NRB;
@@ -175,14 +176,27 @@ struct TQMmaTile {
   float vs[C::MT][2]; // value scales of tokens g, g+8 (folded into P)
 };
 
+/// This lane's view of one (batch, KV head) of the cache. Code pointers already point
+/// at the lane's slice when slices are whole words (kj / vj = 0), else kj / vj is the
+/// slice index. Token strides are unsigned so that each token's address is one 32-bit
+/// multiply-add onto the 64-bit base (IMAD.WIDE.U32) instead of sign-extended 64-bit
+/// arithmetic. Strides in bytes.
 struct TQMmaCache {
   const uint32_t* kc;
   const __half* ks;
   const uint32_t* vc;
   const __half* vs;
-  int kc_tok, ks_tok, vc_tok, vs_tok;
+  uint32_t kc_tok, ks_tok, vc_tok, vs_tok;
+  int kj, vj;
   float score_up; // 2^qexp: the scale the queries were divided by, restored on the key scales
 };
+
+/// Row t of `base` (rows `stride` bytes apart).
+template <typename T>
+__device__ __forceinline__ const T* tq_row(const T* base, uint32_t t, uint32_t stride) {
+  return reinterpret_cast<const T*>(
+      reinterpret_cast<const unsigned char*>(base) + uint64_t(t) * uint64_t(stride));
+}
 
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_load(
@@ -193,15 +207,16 @@ __device__ __forceinline__ void tq_mma_load(
     const int tb = t0 + 16 * m;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = min(tb + g + 8 * h, t_last); // past the end: re-read a valid token
-      tq_load_slice<C::KBITS>(c.kc + t * c.kc_tok, cc, tl.k[m][h]);
-      tl.ks[m][h] = __half2float(c.ks[t * c.ks_tok]) * c.score_up;
-      tl.vs[m][h] = __half2float(c.vs[t * c.vs_tok]);
+      // past the end: re-read a valid token
+      const uint32_t t = uint32_t(min(tb + g + 8 * h, t_last));
+      tq_load_slice<C::KBITS>(tq_row(c.kc, t, c.kc_tok), c.kj, tl.k[m][h]);
+      tl.ks[m][h] = __half2float(*tq_row(c.ks, t, c.ks_tok)) * c.score_up;
+      tl.vs[m][h] = __half2float(*tq_row(c.vs, t, c.vs_tok));
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int t = min(tb + 2 * cc + (i & 1) + 8 * (i >> 1), t_last);
-      tq_load_slice<C::VBITS>(c.vc + t * c.vc_tok, g, tl.v[m][i]);
+      const uint32_t t = uint32_t(min(tb + 2 * cc + (i & 1) + 8 * (i >> 1), t_last));
+      tq_load_slice<C::VBITS>(tq_row(c.vc, t, c.vc_tok), c.vj, tl.v[m][i]);
     }
   }
 }
@@ -451,12 +466,11 @@ __device__ __forceinline__ void tq_mma_step(
 }
 
 /// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQMmaConfig::THREADS threads;
-/// W: warps per block (TQMmaConfig).
 /// dynamic shared memory TQMmaConfig::SMEM bytes. Arguments as tq_attention_impl;
 /// q is float16 or (q_bf16 != 0) bfloat16.
-template <int D, int KB, int VB, int NRB, int W>
+template <int D, int KB, int VB, int NRB>
 __global__ void __launch_bounds__(
-    TQMmaConfig<D, KB, VB, NRB, W>::THREADS, TQMmaConfig<D, KB, VB, NRB, W>::BLOCKS)
+    TQMmaConfig<D, KB, VB, NRB>::THREADS, TQMmaConfig<D, KB, VB, NRB>::BLOCKS)
 tq_attention_mma_kernel(
     const void* __restrict__ q,
     const uint32_t* __restrict__ k_codes,
@@ -472,7 +486,7 @@ tq_attention_mma_kernel(
     float* __restrict__ ml_part,
     const __grid_constant__ TQAttnParams p,
     int q_bf16) {
-  typedef TQMmaConfig<D, KB, VB, NRB, W> C;
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
 
@@ -553,14 +567,17 @@ tq_attention_mma_kernel(
   }
 
   TQMmaCache c;
-  c.kc = k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1];
+  constexpr bool k_words = C::KBITS % 32 == 0, v_words = C::VBITS % 32 == 0;
+  c.kc = k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1] + (k_words ? cc * C::KW : 0);
   c.ks = k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1];
-  c.vc = v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1];
+  c.vc = v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1] + (v_words ? g * C::VW : 0);
   c.vs = v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1];
-  c.kc_tok = int(p.kc_stride[2]);
-  c.ks_tok = int(p.ks_stride[2]);
-  c.vc_tok = int(p.vc_stride[2]);
-  c.vs_tok = int(p.vs_stride[2]);
+  c.kc_tok = uint32_t(p.kc_stride[2] * 4);
+  c.ks_tok = uint32_t(p.ks_stride[2] * 2);
+  c.vc_tok = uint32_t(p.vc_stride[2] * 4);
+  c.vs_tok = uint32_t(p.vs_stride[2] * 2);
+  c.kj = k_words ? 0 : cc;
+  c.vj = v_words ? 0 : g;
 
   TQMmaAcc<D, NRB> acc;
 #pragma unroll
@@ -687,9 +704,9 @@ tq_attention_mma_kernel(
 
 // Host-side lookup (attention_mma_d*.cu): the kernel's address for (kb, vb, nrb), or
 // nullptr when that combination has no tensor-core instantiation.
-const void* attention_mma_kernel_d64(int kb, int vb, int nrb, int warps);
-const void* attention_mma_kernel_d128(int kb, int vb, int nrb, int warps);
-const void* attention_mma_kernel_d256(int kb, int vb, int nrb, int warps);
+const void* attention_mma_kernel_d64(int kb, int vb, int nrb);
+const void* attention_mma_kernel_d128(int kb, int vb, int nrb);
+const void* attention_mma_kernel_d256(int kb, int vb, int nrb);
 
 /// Launch shape of the tensor-core kernel (host side).
 struct TQMmaShape {
@@ -699,28 +716,12 @@ struct TQMmaShape {
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
 };
 
-/// Warps per block of the alternative instantiation (4-bit keys, head dims <= 128, one
-/// row block: 12 warps fit 168 registers there without spilling), chosen with
-/// TURBOQUANT_MMA_WARPS=12 on the host; 0 elsewhere.
-#define TQ_MMA_ALT_WARPS 12
-template <int D, int KB, int NRB>
-constexpr bool tq_mma_has_alt_warps() {
-  return KB == 4 && D <= 128 && NRB == 1;
-}
-
-inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb, int warps) {
+inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
   TQMmaShape s{0, 0, 0, 0};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
-    constexpr int D = decltype(dd)::value, KB = decltype(kk)::value, NRB = decltype(nn)::value;
-    constexpr int VB = decltype(vv)::value;
-    if constexpr (tq_mma_has_alt_warps<D, KB, NRB>()) {
-      if (warps == TQ_MMA_ALT_WARPS) {
-        typedef TQMmaConfig<D, KB, VB, NRB, TQ_MMA_ALT_WARPS> C;
-        s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
-        return;
-      }
-    }
-    typedef TQMmaConfig<D, KB, VB, NRB> C;
+    typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
+                        decltype(nn)::value>
+        C;
     s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
@@ -756,22 +757,16 @@ inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb, int warps)
 /// Instantiations of one head dim: key/value bit pairs with KB >= VB (keys carry the
 /// softmax, presets never give values more bits), NRB 1 and (head dims <= 128) 2.
 template <int D>
-const void* attention_mma_kernel_for(int kb, int vb, int nrb, int warps) {
+const void* attention_mma_kernel_for(int kb, int vb, int nrb) {
   const void* k = nullptr;
   auto pick = [&](auto kk, auto vv) {
     constexpr int KB = decltype(kk)::value, VB = decltype(vv)::value;
     if constexpr (KB >= VB) { // (16 rows at head dim 256 would spill: chunks of 8 there)
       if (nrb == 1) {
-        k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 1, 0>);
-        if constexpr (tq_mma_has_alt_warps<D, KB, 1>()) {
-          if (warps == TQ_MMA_ALT_WARPS) {
-            k = reinterpret_cast<const void*>(
-                &tq_attention_mma_kernel<D, KB, VB, 1, TQ_MMA_ALT_WARPS>);
-          }
-        }
+        k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 1>);
       } else if (nrb == 2) {
         if constexpr (D <= 128) {
-          k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 2, 0>);
+          k = reinterpret_cast<const void*>(&tq_attention_mma_kernel<D, KB, VB, 2>);
         }
       }
     }

@@ -3,8 +3,8 @@
 
 namespace turboquant_mlx::cuda_kernels {
 
-const void* attention_mma_kernel_d64(int kb, int vb, int nrb, int warps) {
-  return attention_mma_kernel_for<64>(kb, vb, nrb, warps);
+const void* attention_mma_kernel_d64(int kb, int vb, int nrb) {
+  return attention_mma_kernel_for<64>(kb, vb, nrb);
 }
 
 } // namespace turboquant_mlx::cuda_kernels

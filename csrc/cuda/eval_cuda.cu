@@ -267,13 +267,6 @@ mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::Command
   return copy;
 }
 
-/// Warps per block of the tensor-core kernel where it has two instantiations
-/// (TURBOQUANT_MMA_WARPS=12, see TQ_MMA_ALT_WARPS); 0 = the default.
-int mma_warps() {
-  static const int w = env_int("TURBOQUANT_MMA_WARPS", 0);
-  return w;
-}
-
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, or
 /// TURBOQUANT_CUDA_ATTENTION=simt.
@@ -286,9 +279,9 @@ const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
     return nullptr;
   }
   switch (d) {
-    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb, mma_warps());
-    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb, mma_warps());
-    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb, mma_warps());
+    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb);
+    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb);
+    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb);
     default: return nullptr;
   }
 }
@@ -450,14 +443,13 @@ void attention(
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
-  // SM beat 8); tensor-core kernel eight warps per SM (each warp keeps two tiles in
-  // flight; measured on an H200 at 128k-256k keys: 2 blocks of 4 warps per SM beat 3
-  // and more), i.e. one block with 4-bit keys (8 warps), else two.
+  // SM beat 8); tensor-core kernel: one block of 8-12 warps per SM with 4-bit keys,
+  // else two of 4 warps (H200, 128k-256k keys: 2 per SM beat 3). One wave either way.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
   ck::TQMmaShape msh{0, 0, 0, 0};
   if (mma_sym != nullptr) {
-    msh = ck::attention_mma_shape(D, kb, vb, nrb, mma_warps());
+    msh = ck::attention_mma_shape(D, kb, vb, nrb);
   }
   const int target = env_int(
       "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? std::min(2, msh.blocks_per_sm) * sms : 4 * sms);
