@@ -7,10 +7,12 @@ Everything that defines an expected value here goes through ``reference.py`` (Nu
 never through the ops under test.
 """
 
+import os
+
 import mlx.core as mx
 import numpy as np
 
-from turboquant_mlx import codebook, reference
+from turboquant_mlx import _ext, codebook, reference
 
 # Poison written into cache slots that an op must neither read nor write.
 POISON_WORD = np.uint32(0xDEADBEEF)
@@ -140,3 +142,32 @@ def assert_op_error(excinfo, op, *needles):
     assert msg.startswith(f"[turboquant_mlx.{op}]"), msg
     for needle in needles:
         assert needle in msg, f"{needle!r} not in {msg!r}"
+
+
+# The CUDA build runs float16 / bfloat16 queries at head dims 64, 128, 256 (key bits >=
+# value bits) on tensor cores: float16 queries and centroids, float16 probabilities,
+# float32 accumulation. Its error against the float64 reference is that of half-precision
+# products (~1e-3 of max |v|), the precision class of MLX's float16 SDPA;
+# TURBOQUANT_CUDA_ATTENTION=simt selects the exact kernel for them.
+TENSOR_CORE_RTOL = 4e-3
+
+
+def tensor_core_path(q_dtype, head_dim, key_bits, value_bits, device=None):
+    """Whether compressed_attention on ``device`` (default: MLX's default device) runs
+    the CUDA tensor-core kernel for these queries and bit widths."""
+    device = mx.default_device() if device is None else device
+    return (
+        device == mx.gpu
+        and _ext.gpu_backend() == "cuda"
+        and q_dtype in (mx.float16, mx.bfloat16)
+        and head_dim in (64, 128, 256)
+        and key_bits >= value_bits
+        and os.environ.get("TURBOQUANT_CUDA_ATTENTION") != "simt"
+    )
+
+
+def attention_rtol(q_dtype, head_dim, key_bits, value_bits, exact=1e-5, device=None):
+    """Tolerance of compressed_attention against the reference (relative to max |v|)."""
+    if tensor_core_path(q_dtype, head_dim, key_bits, value_bits, device):
+        return TENSOR_CORE_RTOL
+    return exact

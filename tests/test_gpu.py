@@ -13,13 +13,13 @@ split-K paths.
 """
 
 import math
-import os
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from helpers import (
+    attention_rtol,
     centroids_np,
     poisoned_cache,
     random_tokens,
@@ -323,28 +323,8 @@ def test_attention_fully_masked_rows():
     assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
 
 
-# The CUDA build runs float16 / bfloat16 queries at head dims 64, 128, 256 (key bits >=
-# value bits) on tensor cores: float16 queries and centroids, float16 probabilities,
-# float32 accumulation. Its error against the float64 reference is that of half-precision
-# products (~1e-3 of max |v|), the precision class of MLX's float16 SDPA;
-# TURBOQUANT_CUDA_ATTENTION=simt selects the exact kernel for them.
-TENSOR_CORE_RTOL = 4e-3
-
-
-def tensor_core_path(q_dtype, head_dim, key_bits, value_bits):
-    return (
-        _ext.gpu_backend() == "cuda"
-        and q_dtype in (mx.float16, mx.bfloat16)
-        and head_dim in (64, 128, 256)
-        and key_bits >= value_bits
-        and os.environ.get("TURBOQUANT_CUDA_ATTENTION") != "simt"
-    )
-
-
 def rtol_for(q_dtype, head_dim, key_bits, value_bits, exact=1e-5):
-    if tensor_core_path(q_dtype, head_dim, key_bits, value_bits):
-        return TENSOR_CORE_RTOL
-    return exact
+    return attention_rtol(q_dtype, head_dim, key_bits, value_bits, exact, device=mx.gpu)
 
 
 @pytest.mark.parametrize("kernel", ("default", "simt"))

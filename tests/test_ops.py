@@ -20,6 +20,7 @@ import pytest
 
 from helpers import (
     POISON_SCALE_BITS,
+    attention_rtol,
     assert_codes_and_scales,
     assert_op_error,
     assert_scales_close,
@@ -181,6 +182,9 @@ def test_quantize_append_reuses_an_unreferenced_buffer():
     mx.eval(codes, scales, x, c)
     cache_bytes = codes.nbytes + scales.nbytes
     for step in range(3):
+        # The GPU backends release their references to a kernel's buffers after it
+        # completes, asynchronously; a buffer still referenced there is copied.
+        mx.synchronize()
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         codes, scales = ops.quantize_append(codes, scales, x, c, step, bits)
@@ -489,7 +493,7 @@ def test_attention_query_dtypes(q_dtype, q_len):
         q_dtype=q_dtype,
         q_gain=2.0,
     )
-    assert_attention_close(*result)
+    assert_attention_close(*result, rtol=attention_rtol(q_dtype, 128, 4, 3))
 
 
 @pytest.mark.parametrize("scale", (1e-3, 0.37, 4.0))
@@ -606,10 +610,16 @@ def test_fallback_attention_matches_kernel(kwargs):
     kernel = run_attention(np.random.default_rng(99), **kwargs)
     fb = run_attention(np.random.default_rng(99), impl="fallback", **kwargs)
     np.testing.assert_array_equal(kernel[2], fb[2])  # same inputs indeed
-    assert_attention_close(*kernel)
+    rtol = attention_rtol(
+        kwargs.get("q_dtype", mx.float32), kwargs.get("head_dim", 64),
+        kwargs.get("key_bits", 4), kwargs.get("value_bits", 4),
+    )
+    assert_attention_close(*kernel, rtol=rtol)
     assert_attention_close(*fb)
-    np.testing.assert_allclose(fb[0], kernel[0], rtol=0, atol=2e-5 * np.abs(kernel[4]).max())
-    np.testing.assert_allclose(fb[1], kernel[1], rtol=1e-5)
+    np.testing.assert_allclose(
+        fb[0], kernel[0], rtol=0, atol=2 * max(rtol, 1e-5) * np.abs(kernel[4]).max()
+    )
+    np.testing.assert_allclose(fb[1], kernel[1], rtol=max(rtol, 1e-5))
 
 
 # ---------------------------------------------------------------------------

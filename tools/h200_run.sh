@@ -127,19 +127,31 @@ step_bench() {
   echo "bench done in $((SECONDS - t0)) s"
 }
 
-# A C++ exception raised through the CUDA build's bindings: must surface as a Python
-# error. On a crash, a native backtrace (gdb when the image has it) and the link map.
+# C++ exceptions raised through the CUDA build's bindings (a plain function and an op
+# that refuses its input): each must surface as a Python error. On a crash, a native
+# backtrace (cuda-gdb debugs host code too; the image has no gdb) and the link map.
 step_diag() {
   export PYTHONPATH=/tmp/site
-  local code='import turboquant_mlx._ext as e
-try:
-    e.words_per_token(64, 1)
-except Exception as x:
-    print("raised", type(x).__name__, x)'
+  local code='import mlx.core as mx, turboquant_mlx._ext as e
+for name, call in [
+    ("words_per_token", lambda: e.words_per_token(64, 1)),
+    ("compressed_attention", lambda: e.compressed_attention(
+        mx.zeros((1, 1, 9, 64)), mx.zeros((1, 1, 16, 8), mx.uint32), mx.zeros((1, 1, 16), mx.float16),
+        mx.zeros((1, 1, 16, 8), mx.uint32), mx.zeros((1, 1, 16), mx.float16), mx.zeros((16,)),
+        mx.zeros((16,)), 16, 0.1, 4, 4, False)),
+]:
+    try:
+        call()
+        print(name, "did not raise")
+    except Exception as x:
+        print(name, "raised", type(x).__name__, str(x)[:120])
+print("done")'
   python3 -X faulthandler -c "$code" 2>&1 | tail -30 | tee "$OUT/diag.log"
   echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/diag.log"
-  if command -v gdb >/dev/null; then
-    gdb -q -batch -ex run -ex bt --args python3 -c "$code" 2>&1 | tail -40 >>"$OUT/diag.log"
+  local dbg
+  dbg=$(command -v gdb || command -v cuda-gdb)
+  if [ -n "$dbg" ]; then
+    timeout 120 "$dbg" -q -batch -ex run -ex bt --args python3 -c "$code" 2>&1 | grep -v "^\[New Thread\|^\[Thread" | tail -40 | tee -a "$OUT/diag.log"
   fi
   ldd /tmp/site/turboquant_mlx/_ext*.so >>"$OUT/diag.log" 2>&1
 }
