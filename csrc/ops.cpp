@@ -1,7 +1,8 @@
 #include "ops.h"
 
-#include <sstream>
+#include <stdexcept>
 
+#include "message.h"
 #include "primitives.h"
 
 namespace turboquant_mlx {
@@ -11,20 +12,36 @@ namespace {
 // Throws std::invalid_argument("[turboquant_mlx.<op>] ...") built from the arguments.
 template <typename... Args>
 [[noreturn]] void fail(const char* op, Args&&... args) {
-  std::ostringstream msg;
-  msg << "[turboquant_mlx." << op << "] ";
-  (msg << ... << args);
-  throw std::invalid_argument(msg.str());
+  throw std::invalid_argument(message("[turboquant_mlx.", op, "] ", args...));
+}
+
+const char* dtype_str(mx::Dtype t) {
+  switch (t) {
+    case mx::bool_: return "bool";
+    case mx::uint8: return "uint8";
+    case mx::uint16: return "uint16";
+    case mx::uint32: return "uint32";
+    case mx::uint64: return "uint64";
+    case mx::int8: return "int8";
+    case mx::int16: return "int16";
+    case mx::int32: return "int32";
+    case mx::int64: return "int64";
+    case mx::float16: return "float16";
+    case mx::bfloat16: return "bfloat16";
+    case mx::float32: return "float32";
+    case mx::float64: return "float64";
+    case mx::complex64: return "complex64";
+    default: return "an unsupported dtype";
+  }
 }
 
 std::string shape_str(const mx::Shape& shape) {
-  std::ostringstream s;
-  s << "(";
+  std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) {
-    s << (i ? ", " : "") << shape[i];
+    s += message(i ? ", " : "", shape[i]);
   }
-  s << (shape.size() == 1 ? ",)" : ")");
-  return s.str();
+  s += shape.size() == 1 ? ",)" : ")";
+  return s;
 }
 
 void check_bits(const char* op, const char* what, int bits) {
@@ -45,7 +62,7 @@ void check_head_dim(const char* op, int head_dim) {
 
 void check_float(const char* op, const char* what, const mx::array& a) {
   if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16) {
-    fail(op, what, " must be float32, float16 or bfloat16, got ", a.dtype(), ".");
+    fail(op, what, " must be float32, float16 or bfloat16, got ", dtype_str(a.dtype()), ".");
   }
 }
 
@@ -63,7 +80,7 @@ int check_cache(
         op,
         what,
         " codes must be uint32 of shape (B, H, capacity, words), got ",
-        codes.dtype(),
+        dtype_str(codes.dtype()),
         " ",
         shape_str(codes.shape()),
         ".");
@@ -81,7 +98,7 @@ int check_cache(
         " scales must be float16 of shape ",
         shape_str(expect),
         ", got ",
-        scales.dtype(),
+        dtype_str(scales.dtype()),
         " ",
         shape_str(scales.shape()),
         ".");

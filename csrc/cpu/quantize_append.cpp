@@ -1,4 +1,3 @@
-#include <sstream>
 #include <stdexcept>
 
 #include <cstring>
@@ -6,6 +5,7 @@
 #include "mlx/backend/cpu/encoder.h"
 
 #include "buffer_copies.h"
+#include "message.h"
 #include "cpu/codec.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
@@ -89,19 +89,17 @@ void quantize_append(
     // Refuse non-finite input before writing anything, so a bad token never lands
     // in the cache.
     auto where = [&](int v) {
-      std::ostringstream at;
-      at << "token " << v % length << " of head " << (v / length) % heads << " (batch "
-         << v / (length * heads) << ")";
-      return at.str();
+      return message(
+          "token ", v % length, " of head ", (v / length) % heads, " (batch ",
+          v / (length * heads), ")");
     };
     for (int v = 0; v < n_vectors; ++v) {
       const float* y = x_ptr + static_cast<int64_t>(v) * head_dim;
       for (int i = 0; i < head_dim; ++i) {
         if (!std::isfinite(y[i])) {
-          std::ostringstream msg;
-          msg << "[turboquant_mlx.quantize_append] " << where(v) << " has a non-finite value "
-              << y[i] << " at coordinate " << i << "; nothing was written.";
-          throw std::invalid_argument(msg.str());
+          throw std::invalid_argument(message(
+              "[turboquant_mlx.quantize_append] ", where(v), " has a non-finite value ", y[i],
+              " at coordinate ", i, "; nothing was written."));
         }
       }
     }
@@ -123,11 +121,10 @@ void quantize_append(
         /* min_items = */ 256);
     for (int v = 0; v < n_vectors; ++v) {
       if (!(results[v].scale <= kMaxFloat16)) {
-        std::ostringstream msg;
-        msg << "[turboquant_mlx.quantize_append] " << where(v) << " has norm "
-            << results[v].norm << ": its scale " << results[v].scale
-            << " exceeds the float16 range (" << kMaxFloat16 << "); nothing was written.";
-        throw std::invalid_argument(msg.str());
+        throw std::invalid_argument(message(
+            "[turboquant_mlx.quantize_append] ", where(v), " has norm ", results[v].norm,
+            ": its scale ", results[v].scale, " exceeds the float16 range (", kMaxFloat16,
+            "); nothing was written."));
       }
     }
     for (int v = 0; v < n_vectors; ++v) {

@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -23,6 +22,7 @@
 
 #include "attention_mma.cuh"
 #include "buffer_copies.h"
+#include "message.h"
 #include "gpu.h"
 #include "tq_entry.cuh"
 
@@ -34,9 +34,8 @@ namespace {
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx] CUDA error in " << what << ": " << cudaGetErrorString(err);
-    throw std::runtime_error(msg.str());
+    throw std::runtime_error(
+        message("[turboquant_mlx] CUDA error in ", what, ": ", cudaGetErrorString(err)));
   }
 }
 
@@ -50,9 +49,7 @@ CUfunction get_function(const void* symbol, const char* name) {
     return it->second;
   }
   if (symbol == nullptr) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx] no CUDA kernel compiled for " << name << ".";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(message("[turboquant_mlx] no CUDA kernel compiled for ", name, "."));
   }
   cudaFunction_t f = nullptr;
   check(cudaGetFuncBySymbol(&f, symbol), name);
@@ -375,11 +372,10 @@ void attention(
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = inputs[1].shape(1);
   if (!ck::supported_head_dim(D)) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
-           "are multiples of 32 in [32, 256], got "
-        << D << ".";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(message(
+        "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
+        "are multiples of 32 in [32, 256], got ",
+        D, "."));
   }
   if (q.strides()[3] != 1) {
     throw std::invalid_argument(
