@@ -221,10 +221,6 @@ __device__ __forceinline__ void tq_mma_load(
   }
 }
 
-/// Float16 centroid pair of table entry `idx` for this lane (tab points at the lane's
-/// column of the table, entries STRIDE bytes apart).
-
-
 /// Shared address of the entry that byte k of w indexes in a 256-byte-stride table, in
 /// this lane's column: lane_base = table address (a multiple of 64 KiB) | 4 * lane, so
 /// one byte_perm [lane_base.byte 0, w.byte k, lane_base.byte 2, lane_base.byte 3] forms
@@ -243,6 +239,8 @@ __device__ __forceinline__ uint32_t tq_lds(uint32_t addr) {
   return v;
 }
 
+/// Float16 centroid pair of table entry `idx` for this lane (tab: shared address of the
+/// lane's column of the table, entries STRIDE bytes apart).
 template <int STRIDE>
 __device__ __forceinline__ uint32_t tq_pair(uint32_t tab, uint32_t idx) {
   return tq_lds(tab + idx * STRIDE);
@@ -262,7 +260,7 @@ __device__ __forceinline__ void tq_mma_step(
     TQMmaAcc<D, NRB>& acc,
     const TQMmaTile<D, KB, VB, NRB>& tl,
     const uint32_t (&qf)[NRB][D / 16][2],
-    uint32_t lane_base, // tables' shared address | 4 * lane
+    uint32_t lane_base, // tables' shared address + 4 * lane
     __half* ptile,
     int t0,
     int t_end,
