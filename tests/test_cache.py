@@ -663,6 +663,14 @@ def test_presets_table():
             for layers in (2, 6, 16, 24, 40, 64):  # tq3's layer list is SmolLM2's
                 if name == "tq4":
                     assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=layers) <= budget
+    # tq4-window = tq4 + a fixed 256-token fp16 window per layer: its cost is at most
+    # the window's own 16 bits spread over the context, and amortizes.
+    extras = []
+    for ctx in (3072, 32768, 131072):
+        extras.append(PRESETS["tq4-window"].bits_per_coordinate(64, ctx, num_layers=30)
+                      - PRESETS["tq4"].bits_per_coordinate(64, ctx, num_layers=30))
+        assert 0 < extras[-1] <= 256 * 16 / ctx
+    assert extras == sorted(extras, reverse=True)
     # tq3 mixes bit widths per layer (SmolLM2 schedule); tq4 keeps one layer fp16 on
     # models of >= 28 layers only.
     bits = {(c["key_bits"], c["value_bits"]) for c in PRESETS["tq3"].layer_configs(30)}
