@@ -1377,6 +1377,13 @@ def _each(spec, *layers: int) -> Tuple[Tuple[float, Any], ...]:
 
 
 # The preset table: edit here (values are to be tuned on bench/quality.py results).
+# tq4's per-layer schedule (see the tq4 comment below), shared with tq4-window.
+_TQ4_SCHEDULE = (
+    (0.0, (4, 3)),
+    ((0.5, 1.0), (4, 3)),
+    (_depth(10), "fp16", 28),
+)
+
 _PRESET_LIST = [
     KVPreset("fp16", None, None, description="no compression (mlx-lm's own caches)"),
     # Headline presets, chosen on SmolLM2-135M-Instruct only (30 layers, head dim 64):
@@ -1396,11 +1403,7 @@ _PRESET_LIST = [
     # (min_layers); shallower models get the 3-bit values' savings only.
     KVPreset(
         "tq4", 4, 4, fp16_sink_tokens=4, center=True,
-        layer_schedule=(
-            (0.0, (4, 3)),
-            ((0.5, 1.0), (4, 3)),
-            (_depth(10), "fp16", 28),
-        ),
+        layer_schedule=_TQ4_SCHEDULE,
         description="4-bit K/V, mean-centered, 4 fp16 sinks; the layer at 1/3 depth in fp16, "
                     "3-bit values in the first layer and back half (4.40 bits at 3k tokens)",
     ),
@@ -1461,11 +1464,7 @@ _PRESET_LIST = [
     # tokens (head dim 64; ~14k at head dim 128), 4.40 at 128k.
     KVPreset(
         "tq4-window", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=256, center=True,
-        layer_schedule=(
-            (0.0, (4, 3)),
-            ((0.5, 1.0), (4, 3)),
-            (_depth(10), "fp16", 28),
-        ),
+        layer_schedule=_TQ4_SCHEDULE,
         description="tq4 with the last 256 tokens in fp16 (5.45 bits at 3k tokens, "
                     "4.48 at 32k, 4.40 at 128k)",
     ),
