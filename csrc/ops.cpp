@@ -15,6 +15,8 @@ template <typename... Args>
   throw std::invalid_argument(message("[turboquant_mlx.", op, "] ", args...));
 }
 
+// Names of dtypes for messages. MLX's own dtype_to_string is not exported by its
+// CUDA build's libmlx, and its ostream operator is what message.h avoids.
 const char* dtype_str(mx::Dtype t) {
   switch (t) {
     case mx::bool_: return "bool";
