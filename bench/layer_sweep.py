@@ -101,12 +101,23 @@ def parse_candidate(text: str, tq, preset, n_layers: int):
     ``NAME=SCHED`` is ``--preset`` with the per-layer schedule SCHED:
     ``;``-separated ``LAYERS:SPEC`` items, LAYERS a ``,``-separated list of layer
     indices and ranges ``a-b`` (inclusive) or ``*`` (all layers), SPEC as ``--spec``;
-    later items win. Indices become relative depths ``k / (n - 1)`` (exact here)."""
+    later items win. Indices become relative depths ``k / (n - 1)`` (exact here).
+    A name ending in ``@wN`` (``tq4@w64``, ``mix@w128=SCHED``) also keeps the last N
+    tokens of every compressed layer in fp16."""
     import dataclasses
 
-    if "=" not in text:
-        return tq.get_preset(text.strip())
-    name, sched = text.split("=", 1)
+    name, sched = (text.split("=", 1) + [None])[:2] if "=" in text else (text, None)
+    name, _, window = name.strip().partition("@w")
+    if window:
+        # NAME@wN: the same with the last N tokens in fp16 (fp16_recent_tokens).
+        base = preset if sched is not None else tq.get_preset(name)
+        preset = dataclasses.replace(base, fp16_recent_tokens=int(window))
+        if sched is None:
+            return dataclasses.replace(preset, name=text.strip(),
+                                       description=f"{name} with a {window}-token fp16 window")
+    if sched is None:
+        return tq.get_preset(name)
+    name = text.split("=", 1)[0]
     entries = []
     for item in sched.split(";"):
         if not item.strip():

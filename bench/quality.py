@@ -154,6 +154,22 @@ def _dense_weight(module: nn.Module) -> np.ndarray:
     return np.asarray(w.astype(mx.float32))
 
 
+class DenseLinear(nn.Module):
+    """``y = x W^T`` in MLX with a float32 copy of a (quantized) linear layer's weight:
+    the same arithmetic as :class:`NumpyLinear` on any device (MLX's CUDA backend
+    has no ``quantized_matmul`` kernel for some of the GGUF's group-32 shapes)."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self._wt = mx.array(np.ascontiguousarray(_dense_weight(linear).T))
+        bias = getattr(linear, "bias", None) if "bias" in linear else None
+        self._bias = None if bias is None else bias.astype(mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x.astype(mx.float32) @ self._wt
+        return y if self._bias is None else y + self._bias
+
+
 class Runner:
     """Forward passes of an mlx-lm llama model, with the output projection split off
     so that prefill chunks that need no logits skip it."""
@@ -162,16 +178,19 @@ class Runner:
         self.model = model
         self.matmul = matmul
         self._head = None
-        if matmul == "numpy":
+        if matmul in ("numpy", "dense"):
+            wrap = NumpyLinear if matmul == "numpy" else DenseLinear
             for layer in model.layers:
                 for parent, names in (
                     (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                     (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
                 ):
                     for n in names:
-                        setattr(parent, n, NumpyLinear(getattr(parent, n)))
+                        setattr(parent, n, wrap(getattr(parent, n)))
             head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
             self._head = np.ascontiguousarray(_dense_weight(head).T)
+            if matmul == "dense":
+                self._head = mx.array(self._head)
 
     def hidden(self, tokens: mx.array, cache) -> mx.array:
         """Final-norm hidden states ``(1, L, hidden)``; updates ``cache``."""
@@ -179,6 +198,8 @@ class Runner:
 
     def logits(self, h: mx.array) -> np.ndarray:
         """float32 logits ``(L, vocab)`` of hidden states ``(1, L, hidden)``."""
+        if isinstance(self._head, mx.array):
+            return np.asarray(h[0].astype(mx.float32) @ self._head)
         if self._head is not None:
             return np.asarray(h[0].astype(mx.float32)) @ self._head
         m = self.model
@@ -425,6 +446,48 @@ def passkey_trials(n: int, seed: int = 1234):
     return [((i + 0.5) / n, int(rng.integers(10000, 100000))) for i in range(n)]
 
 
+def save_tokens(args, tok) -> None:
+    """``--save-tokens``: the perplexity text's ids, every passkey prompt of
+    ``--passkey-lengths`` x ``--passkey-trials``, the stop ids and each token's text."""
+    lengths = [int(x) for x in args.passkey_lengths.split(",") if x.strip()]
+    arrays = {
+        "ppl_ids": np.asarray(tok.encode(license_text()), dtype=np.int32),
+        "stop_ids": np.asarray(sorted(getattr(tok, "eos_token_ids", ()) or ()), dtype=np.int32),
+        "vocab": np.asarray([tok.decode([i]) for i in range(tok.vocab_size)]),
+    }
+    for L in lengths:
+        for t, (depth, key) in enumerate(passkey_trials(args.passkey_trials)):
+            arrays[f"passkey_{L}_{t}"] = np.asarray(passkey_prompt(tok, L, depth, key), dtype=np.int32)
+            arrays[f"passkey_{L}_{t}_key"] = np.asarray(key)
+    np.savez_compressed(args.save_tokens, **arrays)
+    print(f"wrote {args.save_tokens}: {len(arrays['ppl_ids'])} text tokens, passkey lengths "
+          f"{lengths} x {args.passkey_trials} trials")
+
+
+class PretokenizedTasks:
+    """The tokenizer's part of the tasks, read from a ``--save-tokens`` file."""
+
+    def __init__(self, path: str):
+        self._z = np.load(path)
+        self._vocab = self._z["vocab"]
+        self.eos_token_ids = [int(i) for i in self._z["stop_ids"]]
+
+    def ppl_ids(self) -> List[int]:
+        return self._z["ppl_ids"].tolist()
+
+    def passkey_prompt(self, length: int, depth: float, key: int) -> List[int]:
+        for t, (d, k) in enumerate(passkey_trials(self._count(length))):
+            if k == key and abs(d - depth) < 1e-9:
+                return self._z[f"passkey_{length}_{t}"].tolist()
+        raise KeyError(f"passkey prompt ({length}, {depth}, {key}) not in the token file")
+
+    def _count(self, length: int) -> int:
+        return sum(1 for n in self._z.files if n.startswith(f"passkey_{length}_") and n.endswith("_key"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(str(self._vocab[i]) for i in ids)
+
+
 def first_number(text: str) -> Optional[str]:
     m = re.search(r"\d+", text)
     return m.group(0) if m else None
@@ -533,8 +596,14 @@ def parse_args(argv=None):
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per agreement prompt")
     p.add_argument("--agree-context", type=int, default=1000,
                    help="tokens of license text in the agreement prompts (default 1000)")
-    p.add_argument("--matmul", choices=("auto", "numpy", "mlx"), default="auto",
-                   help="linear layers on numpy/OpenBLAS or MLX (auto: numpy on the CPU)")
+    p.add_argument("--matmul", choices=("auto", "numpy", "mlx", "dense"), default="auto",
+                   help="linear layers on numpy/OpenBLAS, MLX (quantized as stored) or MLX "
+                        "with float32 weights (auto: numpy on the CPU, dense on a GPU)")
+    p.add_argument("--save-tokens", default=None, metavar="NPZ",
+                   help="write the token ids of every task (and the vocabulary's strings) to "
+                        "NPZ and exit: for machines without the tokenizer's packages")
+    p.add_argument("--tokens-from", default=None, metavar="NPZ",
+                   help="take the token ids from a --save-tokens file instead of a tokenizer")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: 512 ppl tokens, passkey 512 x 2, agreement on "
                         "200-token prompts x 8 tokens")
@@ -570,12 +639,19 @@ def main(argv=None):
         sys.exit(f"unknown task(s) {sorted(bad)}")
     matmul = args.matmul
     if matmul == "auto":
-        matmul = "numpy" if mx.default_device() == mx.cpu else "mlx"
+        matmul = "numpy" if mx.default_device() == mx.cpu else "dense"
 
     t_start = time.perf_counter()
     gguf = _gguf_module()
     path = args.model or gguf.default_smollm2_path()
-    model, tok = gguf.load_gguf(path, dtype=mx.float32)
+    model, tok = gguf.load_gguf(path, dtype=mx.float32, tokenizer=args.tokens_from is None)
+    if args.save_tokens:
+        save_tokens(args, tok)
+        return 0
+    if args.tokens_from:
+        if "agreement" in tasks:
+            sys.exit("--tokens-from holds the ppl and passkey tokens only: drop 'agreement' from --tasks")
+        tok = PretokenizedTasks(args.tokens_from)
     margs = model.args
     _MODEL_INFO.update(head_dim=margs.head_dim, num_layers=margs.num_hidden_layers)
     runner = Runner(model, matmul)
@@ -599,7 +675,7 @@ def main(argv=None):
 
     # (a) perplexity + (d) bytes
     if "ppl" in tasks:
-        all_ids = tok.encode(license_text())
+        all_ids = tok.ppl_ids() if isinstance(tok, PretokenizedTasks) else tok.encode(license_text())
         if args.ppl_tokens > len(all_ids):
             sys.exit(f"--ppl-tokens {args.ppl_tokens} exceeds the text's {len(all_ids)} tokens")
         ids = all_ids[: args.ppl_tokens]
@@ -654,7 +730,8 @@ def main(argv=None):
                 ok = 0
                 fails = []
                 for depth, key in trials:
-                    prompt = passkey_prompt(tok, L, depth, key)
+                    prompt = (tok.passkey_prompt(L, depth, key) if isinstance(tok, PretokenizedTasks)
+                              else passkey_prompt(tok, L, depth, key))
                     real_len[L] = len(prompt)
                     ans = tok.decode(greedy(runner, cfg.make(model), prompt, 8, args.chunk, stop))
                     hit = first_number(ans) == str(key)

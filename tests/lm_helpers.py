@@ -146,6 +146,10 @@ def reference_key_scale(q_energy, k_energy, pairing="half", rope_dims=0, limit=8
     return np.sqrt(a2)
 
 
+# TurboQuantKVCache.decode_max_queries: larger blocks are prefill blocks.
+DECODE_MAX_QUERIES = 8
+
+
 class DequantizedReferenceCache(_BaseCache):
     """Uncompressed cache showing attention what a TurboQuant cache must show (see doc)."""
 
@@ -163,6 +167,9 @@ class DequantizedReferenceCache(_BaseCache):
         self.q_energy, self.q_count = None, 0
         self.offset = 0
         self.k = self.v = None
+        # First position of the last update when it was a prefill block (more than
+        # DECODE_MAX_QUERIES tokens): that block's own queries see it unquantized.
+        self.fresh_from = None
 
     def _reconstruct(self, x, bits, mu=None, a=None):
         D = x.shape[-1]
@@ -216,15 +223,19 @@ class DequantizedReferenceCache(_BaseCache):
         v = np.array(values.astype(half).astype(mx.float32))
         cat = lambda a, b: b if a is None else np.concatenate([a, b], axis=2)
         self.k, self.v = cat(self.k, k), cat(self.v, v)
+        self.fresh_from = self.offset if keys.shape[2] > DECODE_MAX_QUERIES else None
         self.offset += keys.shape[2]
         self._dtype = keys.dtype
         return self.fetch()
 
-    def fetch(self):
-        """Keys and values as the compressed cache must show them now."""
+    def fetch(self, exact_from=None):
+        """Keys and values as the compressed cache must show them now (positions from
+        ``exact_from`` on unquantized)."""
         pos = np.arange(self.offset)
         if self.calibrated:
             exact = (pos < self.sinks) | (pos >= max(self.sinks, self.offset - self.recent))
+            if exact_from is not None:
+                exact |= pos >= exact_from
         else:
             exact = np.ones(self.offset, dtype=bool)
         sel = exact[None, None, :, None]
@@ -247,7 +258,10 @@ class DequantizedReferenceCache(_BaseCache):
                     self.q_count += (n_q // H) * q.shape[2]
             if self._held() >= self.calibration_tokens:
                 self.calibrate()
-        K, V = self.fetch()
+        fresh = self.fresh_from
+        if fresh is not None and queries.shape[2] != self.offset - fresh:
+            fresh = None  # not the block's own queries
+        K, V = self.fetch(fresh)
         return mx.fast.scaled_dot_product_attention(
             queries, K, V, scale=scale, mask=mask, sinks=sinks
         )
@@ -267,6 +281,7 @@ class DequantizedReferenceCache(_BaseCache):
     def trim(self, n):
         n = min(n, self.offset)
         self.offset -= n
+        self.fresh_from = None
         for name in ("k", "v"):
             setattr(self, name, getattr(self, name)[:, :, : self.offset])
         return n

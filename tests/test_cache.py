@@ -99,13 +99,30 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
             got = np.array(cache.attention(q, 0.1, "causal").astype(mx.float32))
             ref.attend(q, 0.1, "causal")
             _check_contents(cache, ref)
-            Kc, Vc = cache.dequantized_keys_values(mx.float32)
+            Kc, Vc = _seen_by_block(cache, k, v)
             want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
             tol = (TOL if dtype == mx.float32 else 2e-2) * _magnitude(want)
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"chunk of {n}")
     _check_contents(cache, ref)
     K, V = cache.dequantized_keys_values(mx.float32)
     return cache, K, V
+
+
+def _seen_by_block(cache, k, v):
+    """Keys and values that the queries of the block ``k, v`` just appended see: the
+    cache's contents, except that a prefill block (more than ``decode_max_queries``
+    tokens) sees itself as it arrived (rounded to the fp16 storage dtype)."""
+    K, V = cache.dequantized_keys_values(mx.float32)
+    n = k.shape[2]
+    if n <= cache.decode_max_queries:
+        return K, V
+    P = cache.offset - n
+
+    def arrived(x):
+        return x.astype(cache.window_dtype).astype(mx.float32)
+
+    return (mx.concatenate([K[:, :, :P], arrived(k)], axis=2),
+            mx.concatenate([V[:, :, :P], arrived(v)], axis=2))
 
 
 def _check_contents(cache, ref):
@@ -246,6 +263,27 @@ def test_attention_matches_reference(layout, L):
     )
 
 
+@pytest.mark.parametrize("D", [64, 160], ids=["hadamard", "dense-rotation"])
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
+                         ids=["plain", "levers-sink", "levers-sink-window"])
+def test_compiled_decode_equals_eager(monkeypatch, layout, D):
+    # Decode steps run the query and output transforms through mx.compile; they must
+    # give what the eager functions give, and both what mlx's attention gives.
+    import turboquant_mlx.cache as tq_cache
+
+    rng = np.random.default_rng(D)
+    cache, K, V = _filled(rng, [37, 1, 5, 1, 20], B=1, H=2, D=D, **layout)
+    for L in (1, 4):
+        q = _rand(rng, (1, 4, L, D))
+        monkeypatch.setattr(tq_cache, "_COMPILE", True)
+        fused = np.array(cache.attention(q, 0.2, "causal"))
+        monkeypatch.setattr(tq_cache, "_COMPILE", False)
+        eager = np.array(cache.attention(q, 0.2, "causal"))
+        np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))
+        want = _expected(q, K, V, 0.2, "causal")
+        np.testing.assert_allclose(fused, np.array(want), atol=TOL * _magnitude(V))
+
+
 @pytest.mark.parametrize(
     "layout", LAYOUTS[:1] + LAYOUTS[3:] + LEVER_LAYOUTS[2:4],
     ids=["plain", "window", "sink-window", "levers-sink", "levers-sink-window"],
@@ -257,9 +295,21 @@ def test_prefill_key_blocks_and_query_chunks_match_reference(layout):
     cache.prefill_min_block = 32
     assert cache._block_sizes(B, Hq, 70) == (16, 32)  # 5 query chunks, 32-token blocks
     q = _rand(rng, (B, Hq, 70, D))
+    # The 70 queries of the block just appended see it as it arrived (_seen_by_block);
+    # 71 queries (the last 71 positions) see the cache as stored.
+    k, v = _rand(rng, (B, H, 70, D)), _rand(rng, (B, H, 70, D))
+    cache.update_and_fetch(k, v)
+    Kb, Vb = _seen_by_block(cache, k, v)
+    K, V = cache.dequantized_keys_values(mx.float32)
+    q71 = _rand(rng, (B, Hq, 71, D))
     for mask in _masks(rng, 70, cache.offset, B, Hq):
         got = cache.attention(q, scale=0.125, mask=mask)
-        want = _expected(q, K, V, 0.125, mask)
+        want = _expected(q, Kb, Vb, 0.125, mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
+    assert not np.allclose(np.array(Kb), np.array(K))  # the block's keys were compressed
+    for mask in _masks(rng, 71, cache.offset, B, Hq):
+        got = cache.attention(q71, scale=0.125, mask=mask)
+        want = _expected(q71, K, V, 0.125, mask)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
 
 
@@ -570,7 +620,8 @@ def test_levers_reduce_attention_error():
     rng = np.random.default_rng(13)
     k = _biased(rng, (1, 2, 256, 64))
     v = _biased(rng, (1, 2, 256, 64))
-    q = _queries(rng, (1, 4, 256, 64))
+    # The last 200 positions' queries: fewer than the block, so they see it as stored.
+    q = _queries(rng, (1, 4, 200, 64))
     exact = np.array(_expected(q, k.astype(mx.float16), v.astype(mx.float16), 0.1, "causal"))
     errors = []
     for levers in (dict(), dict(center=True), dict(center=True, query_aware_keys=True)):

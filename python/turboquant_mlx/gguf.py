@@ -257,6 +257,7 @@ def load_gguf(
     dtype: mx.Dtype = mx.float32,
     traditional_rope: bool = False,
     lazy: bool = False,
+    tokenizer: bool = True,
 ) -> Tuple[nn.Module, Any]:
     """Load a llama-architecture GGUF into mlx-lm's llama ``Model``.
 
@@ -269,6 +270,8 @@ def load_gguf(
             (interleaved) RoPE instead of un-permuting the rows for mlx-lm's
             default RoPE. Both give the same logits.
         lazy: leave the parameters unevaluated.
+        tokenizer: build the tokenizer (needs ``tokenizers`` and ``transformers``);
+            False returns ``None`` in its place.
 
     Returns:
         ``(model, tokenizer)``: an ``mlx_lm.models.llama.Model`` (in eval mode)
@@ -331,8 +334,7 @@ def load_gguf(
         mx.eval(model.parameters())
     model.eval()
 
-    tokenizer = build_tokenizer(metadata)
-    return model, tokenizer
+    return model, (build_tokenizer(metadata) if tokenizer else None)
 
 
 # --------------------------------------------------------------------------

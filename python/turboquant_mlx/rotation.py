@@ -29,6 +29,25 @@ def _is_hadamard_size(head_dim):
     )
 
 
+def rotate_forward(x: mx.array, signs, matrix, scale: float) -> mx.array:
+    """``R x`` along the last axis of a float32 ``x``, from :meth:`Rotation.params`.
+
+    A pure function of its arguments, so that callers can put it inside
+    ``mx.compile`` with the rotation's arrays as inputs.
+    """
+    if signs is not None:
+        return mx.hadamard_transform(signs * x, scale=scale)
+    return x @ matrix.T
+
+
+def rotate_inverse(y: mx.array, signs, matrix, scale: float) -> mx.array:
+    """``R^T y`` along the last axis of a float32 ``y`` (see :func:`rotate_forward`)."""
+    if signs is not None:
+        # H is symmetric for these sizes, so (H S / sqrt(D))^T = S H / sqrt(D).
+        return signs * mx.hadamard_transform(y, scale=scale)
+    return y @ matrix
+
+
 class Rotation:
     """An orthogonal rotation ``R`` of the last axis, reproducible from a seed.
 
@@ -73,7 +92,6 @@ class Rotation:
             # QR is unique only up to the signs of R's diagonal; fixing them makes
             # the matrix a deterministic function of the seed (and Haar-distributed).
             self._matrix_np = q * np.sign(np.diag(r))[None, :]
-            self._matrix_t = mx.array(self._matrix_np.T.astype(np.float32))
             self._matrix = mx.array(self._matrix_np.astype(np.float32))
 
     @property
@@ -108,10 +126,7 @@ class Rotation:
         Returns:
             A float32 array of the same shape.
         """
-        x = self._check(x)
-        if self._uses_hadamard:
-            return mx.hadamard_transform(self._signs * x, scale=self._scale)
-        return x @ self._matrix_t
+        return rotate_forward(self._check(x), *self.params())
 
     def inverse(self, y: mx.array) -> mx.array:
         """Returns ``R^T y`` along the last axis, in float32.
@@ -122,11 +137,15 @@ class Rotation:
         Returns:
             A float32 array of the same shape.
         """
-        y = self._check(y)
+        return rotate_inverse(self._check(y), *self.params())
+
+    def params(self):
+        """``(signs, matrix, scale)``, the arguments of :func:`rotate_forward` and
+        :func:`rotate_inverse`: the signs and ``1/sqrt(D)`` of a Hadamard rotation
+        (``matrix`` None), or the dense matrix ``R`` (``signs`` None, ``scale`` 1)."""
         if self._uses_hadamard:
-            # H is symmetric for these sizes, so (H S / sqrt(D))^T = S H / sqrt(D).
-            return self._signs * mx.hadamard_transform(y, scale=self._scale)
-        return y @ self._matrix
+            return self._signs, None, self._scale
+        return None, self._matrix, 1.0
 
     def matrix(self) -> np.ndarray:
         """Returns the float64 ``(D, D)`` matrix ``R`` with ``forward(x) = R x``."""
