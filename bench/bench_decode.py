@@ -21,7 +21,8 @@ cache's at the same context (the fp16 cache must come first in ``--caches``).
 
 Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), ``k<b>v<b>`` (a plain
 TurboQuantKVCache with those bit widths: no sinks, window or levers), a preset name
-of turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
+of turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``), or
+``PRESET@wN`` (that preset with its last N tokens in fp16),
 ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
@@ -35,6 +36,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import gc
 import re
 import statistics
@@ -127,6 +129,11 @@ def make_caches(model, name, total_tokens):
         ]
     elif name in PRESETS:
         caches = make_prompt_cache(model, preset=name)
+    elif re.fullmatch(r"(.+)@w(\d+)", name) and name.split("@w")[0] in PRESETS:
+        base, window = name.split("@w")
+        caches = make_prompt_cache(
+            model, preset=dataclasses.replace(PRESETS[base], fp16_recent_tokens=int(window))
+        )
     else:
         raise ValueError(f"unknown cache {name!r}: fp16, k<b>v<b>, affine<b> or one of "
                          f"{', '.join(PRESETS)}")

