@@ -706,28 +706,22 @@ def test_presets_table():
     assert {"fp16", "tq4", "tq3", "tq4-sink", "tq3-sink"} <= set(PRESETS)
     assert PRESETS["tq4-plain"].bits_per_coordinate(64, 4096) == pytest.approx(4.25)
     assert PRESETS["tq3-plain"].bits_per_coordinate(128, 1000) == pytest.approx(3.125)
-    # The headline presets stay within their budgets (4.5 / 3.5 bits) from 1k tokens on,
-    # on SmolLM2-135M's 30 layers.
+    # The headline presets stay within their budgets (4.5 / 3.5 bits) from 3k tokens on,
+    # at any depth (no per-layer schedule) and head dim.
     for name, budget in (("tq4", 4.5), ("tq3", 3.5)):
-        for ctx in (1024, 3072, 8192):
-            assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30) <= budget
-            for layers in (2, 6, 16, 24, 40, 64):  # tq3's layer list is SmolLM2's
-                if name == "tq4":
-                    assert PRESETS[name].bits_per_coordinate(64, ctx, num_layers=layers) <= budget
-    # tq4-window = tq4 + a fixed 256-token fp16 window per layer: its cost is at most
-    # the window's own 16 bits spread over the context, and amortizes.
-    extras = []
-    for ctx in (3072, 32768, 131072):
-        extras.append(PRESETS["tq4-window"].bits_per_coordinate(64, ctx, num_layers=30)
-                      - PRESETS["tq4"].bits_per_coordinate(64, ctx, num_layers=30))
-        assert 0 < extras[-1] <= 256 * 16 / ctx
-    assert extras == sorted(extras, reverse=True)
-    # tq3 mixes bit widths per layer (SmolLM2 schedule); tq4 keeps one layer fp16 on
-    # models of >= 28 layers only.
-    bits = {(c["key_bits"], c["value_bits"]) for c in PRESETS["tq3"].layer_configs(30)}
-    assert bits == {(4, 4), (4, 3), (3, 3), (4, 2), (3, 2)}
-    assert [i for i, c in enumerate(PRESETS["tq4"].layer_configs(30)) if c is None] == [10]
-    assert all(c is not None for c in PRESETS["tq4"].layer_configs(27))
+        for ctx in (3072, 8192, 131072):
+            for layers, head_dim in ((30, 64), (2, 64), (64, 128), (40, 256)):
+                assert PRESETS[name].bits_per_coordinate(head_dim, ctx, num_layers=layers) <= budget
+        assert PRESETS[name].layer_schedule == ()
+    # Their fp16 window (32 tokens + 16 rollback) is a fixed cost per layer: at most
+    # its own 16 bits spread over the context, and it amortizes.
+    for name, base in (("tq4", "tq4-nowindow"), ("tq3", "tq3-nowindow")):
+        extras = []
+        for ctx in (3072, 32768, 131072):
+            extras.append(PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30)
+                          - PRESETS[base].bits_per_coordinate(64, ctx, num_layers=30))
+            assert 0 < extras[-1] <= 48 * 16 / ctx
+        assert extras == sorted(extras, reverse=True)
     assert PRESETS["fp16"].bits_per_coordinate(64, 10) == 16
     p = KVPreset("x", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=60, fp16_layers=(1, 1))
     # 1000 tokens: 4 sinks + 60 window + 16 rollback in fp16, 936 compressed.
@@ -747,8 +741,8 @@ def test_factory_options():
     model = build_model("llama", num_hidden_layers=6)
     types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]
     assert types_of(make_prompt_cache(model, "fp16")) == ["kv"] * 6
-    assert types_of(make_prompt_cache(model, "tq4-uniform", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
-    assert types_of(make_prompt_cache(model, "tq4-uniform", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     plus = make_prompt_cache(model, "tq4-plus")
     assert types_of(plus) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     assert plus[1].fp16_sink_tokens == 4 and plus[1].fp16_recent_tokens == 64
@@ -761,7 +755,7 @@ def test_factory_options():
     assert cache[3].fp16_sink_tokens == 1
     seeds = [c.seed for c in cache[:5]]
     assert len(set(seeds)) == 5 and seeds[1] == layer_seed(5, 1)
-    assert [c.seed for c in make_prompt_cache(model, "tq4-uniform", seed=5)] == [layer_seed(5, i) for i in range(6)]
+    assert [c.seed for c in make_prompt_cache(model, "tq4-nowindow", seed=5)] == [layer_seed(5, i) for i in range(6)]
     # fp16 preset with explicit bits compresses with those bits.
     assert types_of(make_prompt_cache(model, "fp16", key_bits=4)) == ["tq"] * 6
     with pytest.raises(ValueError, match="valid presets"):

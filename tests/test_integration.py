@@ -144,7 +144,7 @@ def test_hook_leaves_other_caches_bit_identical(llama):
     assert hook_installed()
 
 
-@pytest.mark.parametrize("preset", ["tq4-uniform", "k4v2", "k3v3", "tq4-plain"])
+@pytest.mark.parametrize("preset", ["tq4-nowindow", "tq3-nowindow", "k3v3", "tq4-plain"])
 def test_greedy_generation_matches_reference(llama, preset):
     # The presets' levers calibrate at the 32nd non-sink token: in the middle of the
     # generation here (the prompt is prefilled in chunks of 16).
@@ -226,16 +226,16 @@ def test_speculative_decoding_with_compressed_caches(llama):
     # The levers calibrate in the prompt's prefill (calibration_tokens=8), so plain and
     # speculative decoding calibrate on the same tokens and queries.
     for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
-        plain = make_prompt_cache(llama, "tq4-uniform", calibration_tokens=8, **cfg)
+        plain = make_prompt_cache(llama, "tq4-nowindow", calibration_tokens=8, **cfg)
         want = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
                                                   prompt_cache=plain)]
-        cache = (make_prompt_cache(llama, "tq4-uniform", calibration_tokens=8, **cfg)
-                 + make_prompt_cache(draft, "tq4-uniform", calibration_tokens=8, **cfg))
+        cache = (make_prompt_cache(llama, "tq4-nowindow", calibration_tokens=8, **cfg)
+                 + make_prompt_cache(draft, "tq4-nowindow", calibration_tokens=8, **cfg))
         responses = list(stream_generate(llama, tokenizer, prompt, max_tokens=10,
                                          draft_model=draft, num_draft_tokens=3,
                                          prompt_cache=cache))
         got = [r.token for r in responses]
-        kw = preset_kwargs("tq4-uniform", calibration_tokens=8, **cfg)
+        kw = preset_kwargs("tq4-nowindow", calibration_tokens=8, **cfg)
         ref = reference_caches(llama, 4, 4, **kw) + reference_caches(draft, 4, 4, **kw)
         with route_reference_attention():
             want_ref = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,

@@ -195,13 +195,17 @@ def _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale
 
 
 def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
-                   dense_out=None, dense_lse=None):
+                   dense_k, dense_v):
     """The layer's attention output ``(B, H_q, L, D)`` float32: the compressed
-    segment's result merged with the fp16 segments' ``(dense_out, dense_lse)``."""
+    segment's result merged with attention over the fp16 segments ``dense_k`` /
+    ``dense_v`` (lists of ``(B, H_kv, n, D)``, possibly empty), which every query
+    sees whole."""
     part = _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale)
-    if dense_out is None:
+    if not dense_k:
         return part[0].astype(mx.float32)
-    return merge_two((dense_out, dense_lse), part)[0]
+    k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
+    v = dense_v[0] if len(dense_v) == 1 else mx.concatenate(dense_v, axis=2)
+    return merge_two(dense_attention(q, k, v, scale), part)[0]
 
 
 _fused_queries_to_codes = mx.compile(_queries_to_codes)
@@ -790,7 +794,18 @@ class TurboQuantKVCache(_BaseCache):
         q0 = self.offset - L
         S = self.fp16_sink_tokens
         _, c, wpos = self._layout()
-        parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
+        # The usual decode step: the compressed tokens and fp16 segments (sinks, window)
+        # that every query sees whole. One compiled function then goes from the op's
+        # output to the layer's output, attention over the fp16 segments included.
+        segments = self._dense_segments(self.offset)
+        fused = (_COMPILE and sinks is None and c >= L and all(
+            self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
+        if fused:
+            dense_k = [k for k, _, _, _ in segments]
+            dense_v = [v for _, v, _, _ in segments]
+            parts = []
+        else:
+            parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
             # Fewer compressed tokens than queries (the op needs kv_len >= L): a few
             # tokens only, attend to them dequantized.
@@ -806,7 +821,6 @@ class TurboQuantKVCache(_BaseCache):
                 causal = True  # the queries are the last tokens of the compressed segment
             else:
                 op_mask = self._segment_mask(mask, S, c, q0, L)
-            fused = _COMPILE and sinks is None and len(parts) <= 1
             out, lse = ops.compressed_attention(
                 self._compressed_queries(queries, fused=fused),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
@@ -814,11 +828,8 @@ class TurboQuantKVCache(_BaseCache):
                 c, scale, self.key_bits, self.value_bits, causal, op_mask,
             )
             if fused:
-                # The usual decode step (compressed tokens, at most one fp16 segment):
-                # one compiled function from the op's output to the layer's output.
-                dense = parts[0] if parts else (None, None)
                 return _fused_decode_output(
-                    out, lse, queries, *self._model_space_args(), scale, *dense
+                    out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v
                 )
             parts.append(self._compressed_result(out, lse, queries, scale))
         if sinks is not None:
@@ -1439,84 +1450,57 @@ def _schedule_layers(schedule, num_layers: int) -> List[Tuple[int, Any]]:
     return out
 
 
-def _depth(layer: int, of: int = 29) -> float:
-    """Relative depth ``layer / of`` of a SmolLM2-135M layer (0..29), for
-    ``layer_schedule`` positions."""
-    return layer / of
-
-
-def _each(spec, *layers: int) -> Tuple[Tuple[float, Any], ...]:
-    """``layer_schedule`` entries giving ``spec`` to SmolLM2-135M layers ``layers``
-    (as relative depths)."""
-    return tuple((_depth(i), spec) for i in layers)
-
-
 # The preset table: edit here (values are to be tuned on bench/quality.py results).
-# tq4's per-layer schedule (see the tq4 comment below), shared with tq4-window.
-_TQ4_SCHEDULE = (
-    (0.0, (4, 3)),
-    ((0.5, 1.0), (4, 3)),
-    (_depth(10), "fp16", 28),
-)
-
 _PRESET_LIST = [
     KVPreset("fp16", None, None, description="no compression (mlx-lm's own caches)"),
-    # Headline presets, chosen on SmolLM2-135M-Instruct only (30 layers, head dim 64):
-    # single-layer KL sensitivities from bench/layer_sweep.py
-    # (bench/results/smollm2_layer_sweep.md: seed 0, 768 tokens), a knapsack within
-    # the bit budget at 1k tokens (layer_sweep.py --allocate), then perplexity over
-    # rotation seeds 0-2 at 3072 tokens (README). Per-layer schedules are written as
-    # relative depths (KVPreset.layer_schedule) so that they apply to any depth, but
-    # other models have other sensitive layers: re-run the sweep and --allocate.
+    # Headline presets, chosen on SmolLM2-135M-Instruct (30 layers, head dim 64) by
+    # perplexity and KL to fp16 over 3072 tokens, each token scored as a decode step
+    # sees the cache (bench/quality.py, bench/layer_sweep.py; README).
     #
-    # 4-bit class (<= 4.5 bits from 1k tokens on): the layer at 1/3 depth (SmolLM2's
-    # layer 10, whose keys carry the largest single-layer loss) in fp16, paid for by
-    # 3-bit values in the first layer and the back half. On SmolLM2 it lowers the KL
-    # to fp16 by ~10% on every seed and the mean perplexity loss from +3.5% to +3.0%
-    # (3072 tokens, seeds 0-2) vs the same bits everywhere (tq4-uniform). The fp16
-    # layer only fits the budget on models with >= 28 compressible layers
-    # (min_layers); shallower models get the 3-bit values' savings only.
+    # Most of what 4-bit codes cost is in the most recent tokens, which hold most of
+    # the attention: keeping the last 32 tokens of each layer in fp16 (a residual
+    # window, as in KIVI) takes the KL to fp16 from ~51 to ~8 mnat and the perplexity
+    # loss from +4.3% to +0.4..0.9%. 32 tokens cost 0.2 bits per coordinate at 3k
+    # tokens and nothing measurable at long context. At equal bits it beat the
+    # per-layer schedules tried before (fp16 or 3-bit layers chosen from single-layer
+    # sensitivities, bench/results/smollm2_layer_sweep.md).
+    #
+    # 4-bit class (<= 4.5 bits per coordinate from 3k tokens on; 4.26 at 128k). Bits are
+    # SmolLM2's (head dim 64); at head dim 128 the per-token norms cost half as much.
     KVPreset(
-        "tq4", 4, 4, fp16_sink_tokens=4, center=True,
-        layer_schedule=_TQ4_SCHEDULE,
-        description="4-bit K/V, mean-centered, 4 fp16 sinks; the layer at 1/3 depth in fp16, "
-                    "3-bit values in the first layer and back half (4.40 bits at 3k tokens)",
+        "tq4", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        description="4-bit K/V, mean-centered, 4 fp16 sinks, last 32 tokens fp16 "
+                    "(4.48 bits at 3k tokens, 4.26 at 128k)",
     ),
-    # 3-bit class (<= 3.5 bits from 1k tokens on): 4-bit keys and 3-bit values by
-    # default, 4-bit values where they are sensitive, 3-bit keys and/or 2-bit values
-    # where the layer is not (the --allocate solution at 3.5 bits, 1024 tokens; on
-    # SmolLM2 it cuts the loss of 4-bit keys with 2-bit values everywhere, k4v2). The
-    # layer list is SmolLM2's: on much shallower or deeper models the positions
-    # collide or thin out and the average moves (3.30 bits on 16 layers, 3.58 on 40,
-    # 1k tokens).
+    # 3-bit class (<= 3.5 bits from 3k tokens on; 3.26 at 128k): 2-bit values
+    # cost much less than 2-bit keys (k3v3 with the same window: KL 35 vs 33 mnat at
+    # 0.01 more bits, perplexity +3.8% vs +1.5% on seed 0).
     KVPreset(
-        "tq3", 4, 3, fp16_sink_tokens=4, center=True,
-        layer_schedule=(
-            _each((4, 4), 1, 10)
-            + _each((3, 3), 6, 7, 8, 27)
-            + _each((4, 2), 14, 17, 18, 22)
-            + _each((3, 2), 0, 15, 20, 24, 25, 28, 29)
-        ),
-        description="2-4-bit K/V chosen per layer (SmolLM2 sweep), mean-centered, "
-                    "4 fp16 sinks (3.44 bits at 3k tokens)",
+        "tq3", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        description="4-bit keys, 2-bit values, mean-centered, 4 fp16 sinks, last 32 tokens "
+                    "fp16 (3.49 bits at 3k tokens, 3.26 at 128k)",
+    ),
+    # The same without the window (the previous generation of presets).
+    KVPreset(
+        "tq4-nowindow", 4, 4, fp16_sink_tokens=4, center=True,
+        description="tq4 without the fp16 window (4.28 bits)",
     ),
     KVPreset(
-        "tq4-uniform", 4, 4, fp16_sink_tokens=4, center=True,
-        description="4-bit keys and values on every layer, mean-centered, 4 fp16 sinks "
-                    "(4.28 bits; the previous tq4)",
+        "tq3-nowindow", 4, 2, fp16_sink_tokens=4, center=True,
+        description="tq3 without the fp16 window (3.28 bits)",
+    ),
+    # tq4's quality in fewer bytes at long context: 3-bit values paid for by a larger
+    # window (on SmolLM2 the same mean perplexity as tq4 over rotation seeds 0-5).
+    KVPreset(
+        "k4v3", 4, 3, fp16_sink_tokens=4, fp16_recent_tokens=128, center=True,
+        description="4-bit keys, 3-bit values, mean-centered, 4 fp16 sinks, last 128 tokens "
+                    "fp16 (4.37 bits at 3k tokens, 3.77 at 128k)",
     ),
     KVPreset(
-        "k4v2", 4, 2, fp16_sink_tokens=4, center=True,
-        description="4-bit keys, 2-bit values on every layer, mean-centered, 4 fp16 sinks "
-                    "(3.3 bits; the previous tq3)",
-    ),
-    KVPreset(
-        "k3v3", 3, 3, fp16_sink_tokens=4, center=True, query_aware_keys=True,
-        description="3-bit keys and values, mean-centered, query-aware keys, 4 fp16 sinks",
-    ),
-    KVPreset(
-        "k4v3", 4, 3, fp16_sink_tokens=4, center=True,
-        description="4-bit keys, 3-bit values, mean-centered, 4 fp16 sinks",
+        "k3v3", 3, 3, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        query_aware_keys=True,
+        description="3-bit keys and values, mean-centered, query-aware keys, 4 fp16 sinks, "
+                    "last 32 tokens fp16",
     ),
     # Ablations: the plain codec, and with fp16 sinks only.
     KVPreset("tq4-plain", 4, 4, description="plain TurboQuant: 4-bit keys and values"),
@@ -1529,31 +1513,10 @@ _PRESET_LIST = [
         "tq3-sink", 3, 3, fp16_sink_tokens=4,
         description="plain 3-bit, first 4 tokens (attention sinks) in fp16",
     ),
-    # More fp16 (over the 4.5 / 3.5-bit budgets at a few thousand tokens).
-    #
-    # tq4 plus the last 256 tokens in fp16 (a residual window, as in KIVI). On SmolLM2
-    # most of tq4's loss comes from the recent tokens: the window takes the KL to fp16
-    # from ~42 to ~4.7 mnat and the perplexity loss from +3.0% to +0.44% (3072 tokens,
-    # seeds 0-2; a 128-token window: +2.2%). The window is a fixed cost per layer:
-    # 5.45 bits per coordinate at 3k tokens, under tq4's 4.5-bit class only from ~25k
-    # tokens (head dim 64; ~14k at head dim 128), 4.40 at 128k.
+    # More fp16: a 128-token window, and the first and last layers in fp16 as well.
     KVPreset(
-        "tq4-window", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=256, center=True,
-        layer_schedule=_TQ4_SCHEDULE,
-        description="tq4 with the last 256 tokens in fp16 (5.45 bits at 3k tokens, "
-                    "4.48 at 32k, 4.40 at 128k)",
-    ),
-    # The window paid for by fewer bits on the older tokens: 4-bit keys, 2-bit values
-    # (3-bit in layers 1 and 2, 4-bit in layer 10: the layers where 2-bit values cost
-    # most in the sweep), last 256 tokens fp16. 4.48 bits per coordinate at 3k tokens
-    # (within the 4.5-bit class there), 3.34 at 128k; on SmolLM2 +1.19% perplexity
-    # over rotation seeds 0-5 (+0.50 / +1.61 / +0.95 / +1.07 / +0.73 / +2.25%), KL
-    # ~19 mnat. Same 256-token window without the three layers: +1.32% (seeds 0-2).
-    KVPreset(
-        "tq3-window", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=256, center=True,
-        layer_schedule=((_depth(1), (4, 3)), (_depth(2), (4, 3)), (_depth(10), (4, 4))),
-        description="4-bit keys, 2-bit values (3/4-bit in layers 1, 2, 10), last 256 tokens "
-                    "fp16 (4.48 bits at 3k tokens, 3.34 at 128k)",
+        "tq4-hq", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=128, center=True,
+        description="tq4 with the last 128 tokens in fp16 (4.85 bits at 3k tokens, 4.26 at 128k)",
     ),
     KVPreset(
         "tq4-plus", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
@@ -1563,7 +1526,7 @@ _PRESET_LIST = [
     KVPreset(
         "tq3-plus", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
         center=True,
-        description="k4v2 with a recent window (64) and the first and last layer in fp16",
+        description="tq3 with a recent window (64) and the first and last layer in fp16",
     ),
 ]
 PRESETS: Dict[str, KVPreset] = {p.name: p for p in _PRESET_LIST}
