@@ -14,7 +14,8 @@ time with that cache: a step is one forward pass of one token plus the evaluatio
 its logits. After warm-up steps, the median step time gives tokens/s. All caches are
 measured in the same run, one after the other, each freed before the next.
 
-Columns: "KV GiB" is what the caches hold (allocated buffers, all layers) and "KV /
+Columns: "KV GiB" is what the caches hold after the timed steps (allocated buffers,
+all layers) and "KV /
 fp16" its ratio to the fp16 cache's; "peak GiB" is MLX's peak memory over the timed
 steps (weights + caches + temporaries); "× fp16" is decode tokens/s over the fp16
 cache's at the same context (the fp16 cache must come first in ``--caches``).
@@ -228,8 +229,10 @@ def main(argv=None):
                 caches = make_caches(model, name, ctx + a.warmup + a.steps + 1)
                 fill(caches, ctx, a, dtype)
                 t_fill = time.perf_counter() - t1
-                nbytes = kv_bytes(caches)
                 med, best, peak, finite = time_decode(model, caches, a)
+                # After decoding: caches with levers hold a fill of one chunk unquantized
+                # until the next append calibrates them.
+                nbytes = kv_bytes(caches)
                 if name == "fp16":
                     base, base_bytes = med, nbytes
                 ratio = f"{base / med:.2f}" if base else "–"

@@ -42,6 +42,10 @@ ATOL = 2e-2
 # code is then likelier somewhere, and the bound is looser (still >= 10x below the
 # effect of quantization).
 ATOL_LEVERS = 1e-1
+# On a GPU the levers' means are reduced in another order than the reference's, so
+# a key within an ulp of a decision boundary may take the neighbouring code inside a
+# layer as well: one flipped 3-bit key code moved an attention output by 1.2e-4.
+ATTN_TOL_LEVERS_GPU = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +102,12 @@ def test_logits_match_dequantized_reference(llama, cfg, blocked):
                            **{k: cfg[k] for k in _LEVERS if k in cfg})
     tokens = _tokens(sum(SCHEDULE))
     got = _run(llama, cache, tokens, SCHEDULE)
+    levers = any(cfg.get(k) for k in ("center", "query_aware_keys"))
+    attn_tol = ATTN_TOL_LEVERS_GPU if levers and mx.default_device() == mx.gpu else ATTN_TOL
     for c in cache:
         assert [n for n, _ in c.diffs] == SCHEDULE  # every call went through the hook
         for n, d in c.diffs:
-            assert d < ATTN_TOL, (n, d)
+            assert d < attn_tol, (n, d)
         assert c.calibrated
         assert (c.key_mean is not None) == cfg.get("center", False)
         assert (c.key_scale is not None) == cfg.get("query_aware_keys", False)

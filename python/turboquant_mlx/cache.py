@@ -156,6 +156,23 @@ def _half_queries_on_gpu(dtype) -> bool:
 _COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
 
 
+def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
+    """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
+    centered (``mu_k``/``mu_v`` or None), keys scaled by ``a`` (or None), rotated
+    (values only when ``rotate_values``)."""
+    keys = keys.astype(mx.float32)
+    values = values.astype(mx.float32)
+    if mu_k is not None:
+        keys = keys - mu_k
+        values = values - mu_v
+    if key_scale is not None:
+        keys = keys * key_scale
+    keys = rotate_forward(keys, signs, matrix, rot_scale)
+    if rotate_values:
+        values = rotate_forward(values, signs, matrix, rot_scale)
+    return keys, values
+
+
 def _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype):
     """Queries ``(B, H_q, L, D)`` in the space of the stored keys: divided by the
     per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated; float32,
@@ -208,6 +225,7 @@ def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
     return merge_two(dense_attention(q, k, v, scale), part)[0]
 
 
+_fused_to_code_space = mx.compile(_to_code_space)
 _fused_queries_to_codes = mx.compile(_queries_to_codes)
 _fused_decode_output = mx.compile(_decode_output)
 
@@ -453,21 +471,15 @@ class TurboQuantKVCache(_BaseCache):
         if n == 0:
             return
         self._ensure_capacity(self._n_comp + n)
-        rot = self._rotation
-        if self._mu_k is not None:
-            keys = keys.astype(mx.float32) - self._mu_k
-        if self._key_scale is not None:
-            keys = keys.astype(mx.float32) * self._key_scale
-        if self._mu_v is not None:
-            values = values.astype(mx.float32) - self._mu_v
+        # Decode-sized appends have a fixed shape: compiled (see _COMPILE).
+        fn = _fused_to_code_space if _COMPILE and n <= self.decode_max_queries else _to_code_space
+        k_rot, v_rot = fn(keys, values, self._mu_k, self._mu_v, self._key_scale,
+                          *self._rotation.params(), self.rotate_values)
         self._k_codes, self._k_scales = ops.quantize_append(
-            self._k_codes, self._k_scales, rot.forward(keys), self._k_centroids,
-            self._n_comp, self.key_bits,
+            self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
         )
         self._v_codes, self._v_scales = ops.quantize_append(
-            self._v_codes, self._v_scales,
-            rot.forward(values) if self.rotate_values else values.astype(mx.float32),
-            self._v_centroids, self._n_comp, self.value_bits,
+            self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp, self.value_bits,
         )
         self._n_comp += n
 
@@ -624,18 +636,26 @@ class TurboQuantKVCache(_BaseCache):
             self._win_start = P + n
             return
         # The window buffer covers positions [win_start, P); with the new tokens,
-        # [win_start, P + n).
-        ck = rk if _is_empty(self._win_k) else mx.concatenate([self._win_k, rk], axis=2)
-        cv = rv if _is_empty(self._win_v) else mx.concatenate([self._win_v, rv], axis=2)
+        # [win_start, P + n). Spans of it are taken as views where they lie in one
+        # of the two, so that a decode step copies the window once.
+        held = 0 if _is_empty(self._win_k) else self._win_k.shape[2]
+
+        def span(a, b):
+            i, j = a - self._win_start, b - self._win_start
+            if j <= held:
+                return self._win_k[:, :, i:j], self._win_v[:, :, i:j]
+            if i >= held:
+                return rk[:, :, i - held : j - held], rv[:, :, i - held : j - held]
+            return (mx.concatenate([self._win_k[:, :, i:], rk[:, :, : j - held]], axis=2),
+                    mx.concatenate([self._win_v[:, :, i:], rv[:, :, : j - held]], axis=2))
+
         first = S + self._n_comp  # first position not yet quantized
         end = P + n - R  # positions before this leave the window
         if end > first:
-            i0 = first - self._win_start
-            self._quantize(ck[:, :, i0 : i0 + end - first], cv[:, :, i0 : i0 + end - first])
+            self._quantize(*span(first, end))
         keep_from = max(self._win_start, P + n - self._window_capacity)
-        drop = keep_from - self._win_start
-        self._win_k = mx.contiguous(ck[:, :, drop:] if drop else ck)
-        self._win_v = mx.contiguous(cv[:, :, drop:] if drop else cv)
+        wk, wv = span(keep_from, P + n)
+        self._win_k, self._win_v = mx.contiguous(wk), mx.contiguous(wv)
         self._win_start = keep_from
 
     def _layout(self):
