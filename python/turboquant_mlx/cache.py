@@ -55,9 +55,11 @@ Attention combines the three segments with their log-sum-exp
 compressed segment. Prefill (``L > 8``) dequantizes the compressed segment one
 key block at a time, sized by ``prefill_budget_bytes``, and merges the blocks
 online, so the temporary never holds more than a block of dequantized keys and
-values (no full-precision copy of the cache). The new tokens of every call attend
-to themselves through the stored (quantized or fp16) representation: the model
-only ever sees what the cache keeps.
+values (no full-precision copy of the cache). Decode and verification queries
+see every token through the stored (quantized or fp16) representation, as a
+generated token does. The queries of a prefill block see the block itself as it
+arrived (the caller holds it for the call anyway), and every older token as
+stored: prompt processing is then never worse than what decoding sees.
 
 :func:`make_prompt_cache` builds a model's caches with mlx-lm's own factory and
 replaces only plain full-attention ``KVCache`` entries: linear-attention state
