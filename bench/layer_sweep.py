@@ -12,7 +12,8 @@ one perplexity run:
 A spec is ``fp16`` or ``k<key bits>v<value bits>`` with optional lever letters:
 ``c`` mean centering, ``q`` query-aware keys, ``s<N>`` N fp16 sink tokens; with no
 letters the levers and sinks of ``--preset`` are used (``k4v4`` with the default
-``tq4`` preset: centered, 4 fp16 sinks). ``--seeds`` lists rotation base seeds
+``tq4`` preset: centered, 4 fp16 sinks); the preset's fp16 window applies to every
+spec (``--preset tq4-nowindow`` for none). ``--seeds`` lists rotation base seeds
 (``make_prompt_cache(seed=...)``); the table has one column per (spec, seed) and
 prints the perplexity delta vs fp16 in percent and the mean KL divergence of the
 next-token distribution from the fp16 run's, in millinats. Single-layer perplexity
