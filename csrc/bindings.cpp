@@ -71,8 +71,12 @@ NB_MODULE(_ext, m) {
       "causal"_a,
       "mask"_a = nb::none(),
       nb::kw_only(),
+      "tail_k"_a = nb::none(),
+      "tail_v"_a = nb::none(),
       "stream"_a = nb::none(),
-      R"(Attention of rotated queries ``(B, Hq, L<=8, D)`` over the compressed cache.
+      R"(Attention of rotated queries ``(B, Hq, L<=8, D)`` over the compressed cache
+        and, when given, the tail: up to 256 uncompressed keys and values
+        ``(B, Hkv, T, D)`` in the same rotated space that every query sees.
 
         Returns:
             list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 in rotated

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "message.h"
+#include "metal/tq_params.h"
 #include "primitives.h"
 
 namespace turboquant_mlx {
@@ -210,6 +211,8 @@ std::vector<mx::array> compressed_attention(
     int value_bits,
     bool causal,
     const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& tail_k,
+    const std::optional<mx::array>& tail_v,
     mx::StreamOrDevice s) {
   constexpr const char* op = "compressed_attention";
   int k_cap = check_cache(op, "key", k_codes, k_scales, k_centroids, key_bits);
@@ -293,8 +296,32 @@ std::vector<mx::array> compressed_attention(
       mx::contiguous(v_scales, false, stream),
       mx::astype(k_centroids, mx::float32, stream),
       mx::astype(v_centroids, mx::float32, stream)};
+  if (tail_k.has_value() != tail_v.has_value()) {
+    fail(op, "tail_k and tail_v must be given together.");
+  }
+  const bool has_tail = tail_k.has_value() && tail_k->ndim() == 4 && tail_k->shape(2) > 0;
+  if (tail_k) {
+    auto want = mx::Shape{batch, n_kv_heads, tail_k->ndim() == 4 ? tail_k->shape(2) : -1, head_dim};
+    for (auto* t : {&*tail_k, &*tail_v}) {
+      check_float(op, "tail", *t);
+      if (t->shape() != want) {
+        fail(
+            op,
+            "tail keys and values must have shape (B, Hkv, T, D) = ",
+            shape_str(want),
+            ", got ",
+            shape_str(tail_k->shape()),
+            " and ",
+            shape_str(tail_v->shape()),
+            ".");
+      }
+    }
+    if (want[2] > TQ_MAX_TAIL) {
+      fail(op, "the tail holds at most ", TQ_MAX_TAIL, " tokens, got ", want[2], ".");
+    }
+  }
   AttentionParams params{
-      kv_len, scale, key_bits, value_bits, causal, mask.has_value(), false};
+      kv_len, scale, key_bits, value_bits, causal, mask.has_value(), false, has_tail};
   if (mask) {
     auto target = mx::Shape{batch, n_q_heads, q_len, kv_len};
     if (mask->ndim() > 4) {
@@ -320,6 +347,11 @@ std::vector<mx::array> compressed_attention(
     // A broadcast view: kernels index it through its strides (0 on broadcast axes).
     auto m = params.mask_is_bool ? *mask : mx::astype(*mask, mx::float32, stream);
     inputs.push_back(mx::broadcast_to(m, target, stream));
+  }
+  if (has_tail) {
+    for (auto* t : {&*tail_k, &*tail_v}) {
+      inputs.push_back(mx::contiguous(mx::astype(*t, mx::float32, stream), false, stream));
+    }
   }
   return mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},

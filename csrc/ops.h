@@ -28,7 +28,10 @@ std::vector<mx::array> quantize_append(
     int bits,
     mx::StreamOrDevice s = {});
 
-/// Attention of q_rot (B, Hq, L<=8, D) over the first `kv_len` cached tokens.
+/// Attention of q_rot (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
+/// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in the same
+/// rotated space that every query sees (fp16 sinks and the recent window of a cache),
+/// in one softmax.
 /// Returns {out (B, Hq, L, D) float32 in rotated space, lse (B, Hq, L) float32}.
 std::vector<mx::array> compressed_attention(
     const mx::array& q_rot,
@@ -44,6 +47,8 @@ std::vector<mx::array> compressed_attention(
     int value_bits,
     bool causal,
     const std::optional<mx::array>& mask = std::nullopt,
+    const std::optional<mx::array>& tail_k = std::nullopt,
+    const std::optional<mx::array>& tail_v = std::nullopt,
     mx::StreamOrDevice s = {});
 
 /// Decodes tokens [start, start + length) into rotated-space float32 vectors

@@ -63,17 +63,19 @@ struct AttentionParams {
   bool causal; // query i sees keys j <= kv_len - L + i
   bool has_mask; // inputs[7] is a mask
   bool mask_is_bool; // true: keep where mask; false: additive
+  bool has_tail; // the last two inputs are the tail's keys and values
 
   bool operator==(const AttentionParams& o) const {
     return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
         value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
-        mask_is_bool == o.mask_is_bool;
+        mask_is_bool == o.mask_is_bool && has_tail == o.has_tail;
   }
 };
 
 /// Attention of a few queries over the compressed cache, in rotated space.
 /// inputs:  q_rot (B,Hq,L,D) float, k_codes, k_scales, v_codes, v_scales,
 ///          k_centroids, v_centroids [, mask (B,Hq,L,kv_len) bool/float, broadcast allowed]
+///          [, tail_k, tail_v (B,Hkv,T,D) f32: keys every query sees, unmasked]
 /// outputs: out (B,Hq,L,D) f32, lse (B,Hq,L) f32
 class CompressedAttention : public mx::Primitive {
  public:

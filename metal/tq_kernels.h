@@ -259,16 +259,16 @@ TQ_FN void tq_attn_step(
 /// step. A token's codes are read once and serve every query row of the KV head
 /// (GQA heads x query positions) held in registers. Scores are in log2 units
 /// (q pre-scaled by scale * log2 e); each group keeps an online softmax (m, l, o)
-/// per row, merged across groups and simdgroups at the end. With n_splits == 1 the
-/// threadgroup writes out = o / l and lse; otherwise the unnormalised o and (m, l)
-/// go to o_part / ml_part for tq_attention_merge_impl.
+/// per row, merged across groups and simdgroups at the end. Without p.partials (one
+/// split) the threadgroup writes out = o / l and lse; otherwise the unnormalised o and
+/// (m, l) go to o_part / ml_part for tq_attention_merge_impl.
 ///
 ///   q        (B, Hq, L, D)            QT (float, half, or bfloat16 bits as ushort)
 ///   k_codes  (B, Hkv, cap, D*KB/32)   packed key codes;   k_scales (B, Hkv, cap) half
 ///   v_codes  (B, Hkv, cap, D*VB/32)   packed value codes; v_scales (B, Hkv, cap) half
 ///   k_cent   (2^KB) float, v_cent (2^VB) float: codebooks
 ///   mask     optional, interpreted by p.mask_kind, indexed through p.mask_stride
-///   out      (B, Hq, L, D) float, lse (B, Hq, L) float       [n_splits == 1]
+///   out      (B, Hq, L, D) float, lse (B, Hq, L) float       [!p.partials]
 ///   o_part   (B*Hq*L, n_splits, D) float, ml_part (B*Hq*L, n_splits, 2) float
 template <typename QT, int D, int KB, int VB>
 TQ_FN void tq_attention_impl(
@@ -420,7 +420,7 @@ TQ_FN void tq_attention_impl(
   tq_threadgroup_barrier();
 
   // ---- across simdgroups, then write
-  const bool single = p.n_splits == 1;
+  const bool single = p.partials == 0;
   TQ_UNROLL
   for (int r = 0; r < RC; ++r) {
     if (r < nr) {
@@ -453,13 +453,19 @@ TQ_FN void tq_attention_impl(
 }
 
 /// Split-K merge: one threadgroup per query row combines the n_splits partial
-/// results by their log-sum-exp weights.
+/// results by their log-sum-exp weights, and attends to the tail (float32 keys and
+/// values that every row sees: fp16 sinks and the recent window, in code space) in
+/// the same softmax, so that a decode step's attention is this one call.
 ///   o_part (rows, n_splits, D), ml_part (rows, n_splits, 2) -> out (rows, D), lse (rows)
-/// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MAX_SPLITS + 8 floats.
-template <int D>
+///   q (B, Hq, L, D) QT, tail_k / tail_v (B, Hkv, tail_len, D) float [tail_len > 0]
+/// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
+template <typename QT, int D>
 TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* TQ_RESTRICT o_part,
     const TQ_DEV float* TQ_RESTRICT ml_part,
+    const TQ_DEV QT* TQ_RESTRICT q,
+    const TQ_DEV float* TQ_RESTRICT tail_k,
+    const TQ_DEV float* TQ_RESTRICT tail_v,
     TQ_DEV float* TQ_RESTRICT out,
     TQ_DEV float* TQ_RESTRICT lse,
     TQ_CONST TQMergeParams& p,
@@ -467,14 +473,43 @@ TQ_FN void tq_attention_merge_impl(
     TQThread th) {
   constexpr int NT = TQ_MERGE_THREADS, NSG = TQ_MERGE_THREADS / TQ_SIMD;
   const int row = int(th.tg_x);
-  const int S = p.n_splits;
+  const int S = p.n_splits, T = p.tail_len;
   const TQ_DEV float* ml = ml_part + int64_t(row) * S * 2;
   TQ_TG float* w = smem; // [S] split weights
-  TQ_TG float* red = smem + TQ_MAX_SPLITS; // [2 * NSG]
+  TQ_TG float* tw = smem + TQ_MAX_SPLITS; // [T] tail scores, then weights
+  TQ_TG float* qs = tw + TQ_MAX_TAIL; // [D] the query row (tail only)
+  TQ_TG float* red = qs + 256; // [2 * NSG]
+
+  // Tail scores (log2 units): one simdgroup per token, lanes split the coordinates.
+  const int l = row % p.q_len, h = (row / p.q_len) % p.q_heads, b = row / (p.q_len * p.q_heads);
+  const TQ_DEV float* tk = tail_k + b * p.tk_stride[0] + (h / p.gqa) * p.tk_stride[1];
+  const TQ_DEV float* tv = tail_v + b * p.tv_stride[0] + (h / p.gqa) * p.tv_stride[1];
+  if (T > 0) {
+    const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
+    for (int d = int(th.tid); d < D; d += NT) {
+      qs[d] = tq_to_float(qr[d]) * p.scale_log2;
+    }
+    tq_threadgroup_barrier();
+    for (int j = int(th.simd); j < T; j += NSG) {
+      const TQ_DEV float* kr = tk + j * p.tk_stride[2];
+      float dot = 0.0f;
+      for (int d = int(th.lane); d < D; d += TQ_SIMD) {
+        dot += qs[d] * kr[d];
+      }
+      dot = tq_simd_sum(dot);
+      if (th.lane == 0) {
+        tw[j] = dot;
+      }
+    }
+    tq_threadgroup_barrier();
+  }
 
   float mm = tq_neg_inf();
   for (int s = int(th.tid); s < S; s += NT) {
     mm = tq_fmax(mm, ml[2 * s]);
+  }
+  for (int j = int(th.tid); j < T; j += NT) {
+    mm = tq_fmax(mm, tw[j]);
   }
   mm = tq_simd_max(mm);
   if (th.lane == 0) {
@@ -491,6 +526,11 @@ TQ_FN void tq_attention_merge_impl(
     const float ws = (mm == tq_neg_inf() || ms == tq_neg_inf()) ? 0.0f : tq_exp2(ms - mm);
     w[s] = ws;
     ll += ml[2 * s + 1] * ws;
+  }
+  for (int j = int(th.tid); j < T; j += NT) {
+    const float wj = tq_exp2(tw[j] - mm); // tail scores are finite: mm is too
+    tw[j] = wj;
+    ll += wj;
   }
   ll = tq_simd_sum(ll);
   if (th.lane == 0) {
@@ -516,6 +556,9 @@ TQ_FN void tq_attention_merge_impl(
     }
     for (; s < S; ++s, ps += D) {
       a0 += ps[0] * w[s];
+    }
+    for (int j = 0; j < T; ++j) {
+      a1 += tv[j * p.tv_stride[2] + d] * tw[j];
     }
     const float acc = (a0 + a1) + (a2 + a3);
     out[int64_t(row) * D + d] = ll > 0.0f ? acc / ll : 0.0f;
@@ -717,20 +760,23 @@ template <typename QT, int D, int KB, int VB>
       ml_part, p, smem, th);
 }
 
-template <int D>
+template <typename QT, int D>
 [[kernel]] void tq_attention_merge(
     const device float* o_part [[buffer(0)]],
     const device float* ml_part [[buffer(1)]],
-    device float* out [[buffer(2)]],
-    device float* lse [[buffer(3)]],
-    constant TQMergeParams& p [[buffer(4)]],
+    const device QT* q [[buffer(2)]],
+    const device float* tail_k [[buffer(3)]],
+    const device float* tail_v [[buffer(4)]],
+    device float* out [[buffer(5)]],
+    device float* lse [[buffer(6)]],
+    constant TQMergeParams& p [[buffer(7)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[TQ_MAX_SPLITS + 8];
+  threadgroup float smem[TQ_MERGE_SMEM];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_attention_merge_impl<D>(o_part, ml_part, out, lse, p, smem, th);
+  tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, th);
 }
 
 template <int D, int B>

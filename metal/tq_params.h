@@ -20,6 +20,13 @@
 /// Most key splits one attention call uses (the merge keeps one weight per split in
 /// threadgroup memory).
 #define TQ_MAX_SPLITS 1024
+/// Most tail tokens (uncompressed keys/values every query sees, e.g. fp16 sinks and the
+/// recent window) one attention call takes; the merge keeps their weights in
+/// threadgroup memory.
+#define TQ_MAX_TAIL 256
+/// Threadgroup floats of the merge: split weights, tail weights, the query row,
+/// reduction scratch.
+#define TQ_MERGE_SMEM (TQ_MAX_SPLITS + TQ_MAX_TAIL + 256 + 16)
 
 /// How the attention kernel for head dim D lays out its work.
 ///   T  lanes share one token (each holds DL = D/T coordinates of q, k, v and o);
@@ -58,7 +65,9 @@ struct TQAttnParams {
   int gqa; // q_heads / kv_heads
   int rows; // gqa * q_len: query rows served by one KV head
   int rows_per_tg; // query rows per threadgroup (<= TQAttnConfig<D>::RC)
-  int n_splits; // key splits (grid y); 1 = single pass writing out/lse directly
+  int n_splits; // key splits (grid y)
+  int partials; // 0: single pass writing out/lse directly (n_splits == 1); 1: write
+                // o_part/ml_part for the merge (several splits, or a tail to add)
   int split_len; // keys per split, a multiple of TQAttnConfig<D>::STEP
   float scale_log2; // softmax scale * log2(e)
   int causal; // 1: query i sees keys j <= kv_len - q_len + i
@@ -68,10 +77,20 @@ struct TQAttnParams {
 // of a token, every (batch, head, token) row start is 8 / 16-byte aligned (the host
 // copies a cache that is not, see vector_aligned in the backends).
 
-/// Split-K merge (pass 2): rows = batch * q_heads * q_len.
+/// Split-K merge (pass 2): rows = batch * q_heads * q_len, row = (b * q_heads + h) *
+/// q_len + l. With tail_len > 0 it also attends to the tail: float32 keys/values
+/// (batch, kv_heads, tail_len, D) that every query row sees.
 struct TQMergeParams {
+  int64_t q_stride[3]; // q: batch, head, position (read only with a tail)
+  int64_t tk_stride[3]; // tail keys: batch, kv head, token (last axis contiguous)
+  int64_t tv_stride[3]; // tail values
   int rows;
   int n_splits;
+  int q_heads;
+  int q_len;
+  int gqa; // q_heads / kv_heads
+  int tail_len; // 0: no tail
+  float scale_log2; // softmax scale * log2(e)
 };
 
 /// Quantize-and-append: x (batch, heads, length, D) float32.

@@ -1,7 +1,7 @@
 // Instantiations of the turboquant_mlx kernels (bodies in tq_kernels.h). Host code
 // (csrc/metal/eval_metal.cpp) builds the same names:
 //   tq_attention_<float32|float16|bfloat16>_d<D>_k<key bits>_v<value bits>
-//   tq_attention_merge_d<D>
+//   tq_attention_merge_<float32|float16|bfloat16>_d<D>
 //   tq_quantize_d<D>_b<bits>
 //   tq_dequantize_b<bits>
 //   tq_copy_u32, tq_copy_u16
@@ -27,14 +27,19 @@
   TQ_ATTN_V(qname, qtype, d, 3)    \
   TQ_ATTN_V(qname, qtype, d, 4)
 
+#define TQ_MERGE_ONE(qname, qtype, d) \
+  TQ_INSTANTIATE("tq_attention_merge_" #qname "_d" #d, tq_attention_merge, qtype, d)
+
 #define TQ_ATTN_Q(d)                 \
   TQ_ATTN_K(float32, float, d)       \
   TQ_ATTN_K(float16, half, d)        \
-  TQ_ATTN_K(bfloat16, ushort, d)
+  TQ_ATTN_K(bfloat16, ushort, d)     \
+  TQ_MERGE_ONE(float32, float, d)    \
+  TQ_MERGE_ONE(float16, half, d)     \
+  TQ_MERGE_ONE(bfloat16, ushort, d)
 
 #define TQ_PER_DIM(d)                                              \
   TQ_ATTN_Q(d)                                                     \
-  TQ_INSTANTIATE("tq_attention_merge_d" #d, tq_attention_merge, d) \
   TQ_INSTANTIATE("tq_quantize_d" #d "_b2", tq_quantize, d, 2)      \
   TQ_INSTANTIATE("tq_quantize_d" #d "_b3", tq_quantize, d, 3)      \
   TQ_INSTANTIATE("tq_quantize_d" #d "_b4", tq_quantize, d, 4)

@@ -264,19 +264,34 @@ def test_attention_matches_reference(layout, L):
 
 
 @pytest.mark.parametrize("D", [64, 160], ids=["hadamard", "dense-rotation"])
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
-                         ids=["plain", "levers-sink", "levers-sink-window"])
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
+                         ids=["plain", "window", "levers-sink", "levers-sink-window"])
 def test_compiled_decode_equals_eager(monkeypatch, layout, D):
     # Decode steps run the query and output transforms through mx.compile; they must
     # give what the eager functions give, and both what mlx's attention gives.
     import turboquant_mlx.cache as tq_cache
 
+    tails = []
+    op = tq_cache.ops.compressed_attention
+
+    def spy(*args, **kwargs):
+        tails.append(None if kwargs.get("tail_k") is None else kwargs["tail_k"].shape[2])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
     rng = np.random.default_rng(D)
     cache, K, V = _filled(rng, [37, 1, 5, 1, 20], B=1, H=2, D=D, **layout)
     for L in (1, 4):
         q = _rand(rng, (1, 4, L, D))
         monkeypatch.setattr(tq_cache, "_COMPILE", True)
+        tails.clear()
         fused = np.array(cache.attention(q, 0.2, "causal"))
+        # The fp16 sinks and window go into the op as its tail, unless the window holds
+        # some of the queries (causal among them: attended to apart).
+        dense = layout.get("fp16_sink_tokens", 0) + (
+            min(layout.get("fp16_recent_tokens", 0), cache.offset) if L == 1 else 0)
+        in_window = L > 1 and layout.get("fp16_recent_tokens", 0) > 0
+        assert tails == [None if in_window or dense == 0 else dense], tails
         monkeypatch.setattr(tq_cache, "_COMPILE", False)
         eager = np.array(cache.attention(q, 0.2, "causal"))
         np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))

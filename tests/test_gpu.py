@@ -181,6 +181,7 @@ def run_attention(
     mask=None,
     q_dtype=mx.float32,
     capacity=None,
+    tail=0,
 ):
     capacity = capacity or kv_len + 3
     q_heads = kv_heads * group
@@ -193,6 +194,10 @@ def run_attention(
     q = mx.array(2.0 * rng.standard_normal((batch, q_heads, q_len, head_dim))).astype(q_dtype)
     m = make_mask(mask, rng, batch, q_heads, q_len, kv_len)
     scale = 1.0 / math.sqrt(head_dim)
+    tail_k = tail_v = None
+    if tail:
+        tail_k = (2.0 * rng.standard_normal((batch, kv_heads, tail, head_dim))).astype(np.float32)
+        tail_v = rng.standard_normal((batch, kv_heads, tail, head_dim)).astype(np.float32)
     out, lse = ops.compressed_attention(
         q,
         mx.array(k_words),
@@ -207,12 +212,17 @@ def run_attention(
         value_bits,
         causal,
         m,
+        tail_k=None if tail_k is None else mx.array(tail_k),
+        tail_v=None if tail_v is None else mx.array(tail_v),
         stream=gpu(),
     )
     mx.eval(out, lse)
     ref_out, ref_lse = reference.attention(
-        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m)
+        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m),
+        tail_k, tail_v,
     )
+    if tail:
+        v_hat = np.concatenate([v_hat[:, :, :kv_len], tail_v], axis=2)
     return np.array(out), np.array(lse), ref_out, ref_lse, v_hat
 
 
@@ -420,6 +430,29 @@ def test_attention_forced_split_counts(monkeypatch, splits):
     for kv_len in (1, 130, 9000):
         q_len = min(kv_len, 2)
         assert_attention_close(*run_attention(rng, kv_len=kv_len, q_len=q_len, group=4))
+
+
+@pytest.mark.parametrize("splits", ("auto", "1", "3"))
+@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
+def test_attention_with_tail(monkeypatch, q_dtype, kernel, splits):
+    # The tail joins the split-K merge; one split must still write partials for it.
+    if kernel == "simt":
+        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+    if splits != "auto":
+        monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    rng = np.random.default_rng(7 + len(splits))
+    for kv_len, head_dim, tail, q_len, causal in (
+        (17, 64, 1, 1, True),
+        (300, 128, 52, 1, True),
+        (9000, 128, 36, 4, False),
+        (4097, 256, 256, 8, True),
+    ):
+        result = run_attention(
+            rng, kv_len=kv_len, q_len=q_len, group=4, head_dim=head_dim, tail=tail,
+            causal=causal, q_dtype=q_dtype,
+        )
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
 
 
 def test_attention_matches_cpu_op():

@@ -283,9 +283,11 @@ def test_dequantize_window_ignores_poison_and_strided_buffers():
 
 
 def make_mask(kind, rng, batch, q_heads, q_len, kv_len):
-    """An MLX mask of the given kind (None for "none")."""
+    """An MLX mask of the given kind (None for "none"; "hide-all" masks every key)."""
     if kind == "none":
         return None
+    if kind == "hide-all":
+        return mx.zeros((kv_len,), dtype=mx.bool_)
     family, shape_kind = kind.split(":")
     shapes = {
         "kv": (kv_len,),
@@ -331,11 +333,13 @@ def run_attention(
     q_gain=1.0,
     zero_tokens=False,
     impl="kernel",
+    tail=0,
 ):
     """Runs one attention op and returns (out, lse, ref_out, ref_lse, v_hat) as NumPy.
 
     With ``zero_tokens`` the cached keys and values have norms spread over a factor
-    e^2 and every third one is the zero vector (code of 0, scale 0).
+    e^2 and every third one is the zero vector (code of 0, scale 0). ``tail`` adds that
+    many float keys/values every query sees (the op's ``tail_k`` / ``tail_v``).
     """
     capacity = capacity or kv_len
     q_heads = kv_heads * group
@@ -368,16 +372,27 @@ def run_attention(
         causal,
         m,
     )
+    tail_k = tail_v = None
+    if tail:
+        tail_k, tail_v = (
+            (rng.standard_normal((batch, kv_heads, tail, head_dim)) * g).astype(np.float32)
+            for g in (q_gain, 1.0)
+        )
+    tails = dict(tail_k=None if tail_k is None else mx.array(tail_k),
+                 tail_v=None if tail_v is None else mx.array(tail_v))
     out, lse = (ops.compressed_attention if impl == "kernel" else fallback.compressed_attention)(
-        *args
+        *args, **tails
     )
     assert out.dtype == mx.float32 and out.shape == (batch, q_heads, q_len, head_dim)
     assert lse.dtype == mx.float32 and lse.shape == (batch, q_heads, q_len)
     # The reference sees exactly the values the op sees: queries and masks after
     # their (exact) conversion to float32, keys and values dequantized from the codes.
     ref_out, ref_lse = reference.attention(
-        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m)
+        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m),
+        tail_k, tail_v,
     )
+    if tail:
+        v_hat = np.concatenate([v_hat[:, :, :kv_len], tail_v], axis=2)
     return np.array(out), np.array(lse), ref_out, ref_lse, v_hat
 
 
@@ -560,6 +575,43 @@ def test_attention_fully_masked_rows(variant):
     assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
     f_out, f_lse = fallback.compressed_attention(*args)
     assert_attention_close(np.array(f_out), np.array(f_lse), ref_out, ref_lse, v_hat)
+
+
+@pytest.mark.parametrize("impl", ("kernel", "fallback"))
+@pytest.mark.parametrize(
+    "kwargs",
+    (
+        dict(tail=1),
+        dict(tail=5, q_len=3, group=4, causal=False),
+        dict(tail=52, q_len=8, group=8, causal=True, key_bits=3, value_bits=2),
+        dict(tail=36, kv_len=4097, q_len=1, group=4, head_dim=128),  # several key chunks
+        dict(tail=256, kv_len=300, q_len=2, group=2, head_dim=256, mask="bool:B,Hq,L,kv"),
+        dict(tail=7, kv_len=45, q_len=3, group=4, mask="add:L,kv", q_dtype=mx.bfloat16),
+        dict(tail=3, kv_len=8, q_len=8, group=1, causal=True, q_dtype=mx.float16),
+    ),
+)
+def test_attention_with_tail(kwargs, impl):
+    # The tail (fp16 sinks and recent window of a cache) joins the compressed tokens'
+    # softmax: every query sees all of it, whatever the causal flag and the mask say
+    # about the compressed tokens.
+    rng = np.random.default_rng(kwargs["tail"] * 7 + kwargs.get("q_len", 1))
+    result = run_attention(rng, impl=impl, q_gain=2.0, **kwargs)
+    rtol = attention_rtol(
+        kwargs.get("q_dtype", mx.float32), kwargs.get("head_dim", 64),
+        kwargs.get("key_bits", 4), kwargs.get("value_bits", 4),
+    )
+    assert_attention_close(*result, rtol=max(rtol, 1e-5))
+
+
+def test_attention_tail_rescues_fully_masked_rows():
+    # Rows whose compressed keys are all masked still see the tail: finite lse, and
+    # the output is the tail's attention alone.
+    rng = np.random.default_rng(5)
+    out, lse, ref_out, ref_lse, v_hat = run_attention(
+        rng, q_len=2, kv_len=4097, group=2, mask="hide-all", causal=False, tail=4
+    )
+    assert np.isfinite(lse).all() and np.isfinite(ref_lse).all()
+    assert_attention_close(out, lse, ref_out, ref_lse, v_hat)
 
 
 def test_attention_reads_strided_inputs():
@@ -786,6 +838,19 @@ BAD_INPUT = [
          "attn-mask-5d"),
     *(case(ATTN, attn_args(scale=s), (f"got {text}",), f"attn-scale{text}")
       for s, text in ((0.0, "0"), (-0.5, "-0.5"), (float("nan"), "nan"), (float("inf"), "inf"))),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64))), ("tail_k and tail_v",),
+         "attn-tail-k-only"),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64)), tail_v=mx.ones((2, 2, 4, 64))),
+         ("(2, 2, 3, 64)", "(2, 2, 4, 64)"), "attn-tail-length-mismatch"),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 4, 3, 64)), tail_v=mx.ones((2, 4, 3, 64))),
+         ("(2, 4, 3, 64)", "(2, 2, 3, 64)"), "attn-tail-heads"),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 32)), tail_v=mx.ones((2, 2, 3, 32))),
+         ("(2, 2, 3, 32)",), "attn-tail-head-dim"),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 257, 64)), tail_v=mx.ones((2, 2, 257, 64))),
+         ("at most 256", "got 257"), "attn-tail-too-long"),
+    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64), mx.int32),
+                         tail_v=mx.ones((2, 2, 3, 64), mx.int32)), ("tail", "int32"),
+         "attn-tail-int32"),
     # dequantize
     *(case(DQ, dq_args(bits=b, codes=mx.zeros((2, 2, 8, 2 * b), mx.uint32)),
            ("bits", f"got {b}"), f"dq-bits{b}") for b in (1, 5, 8)),

@@ -4,7 +4,8 @@
 // and value of its chunk once into a float row and uses it for all query rows of that
 // KV head (its GQA query heads × query positions), so the packed cache is read once.
 // Items produce partial softmax results (max, sum, weighted value sum) that are merged
-// with log-sum-exp, like a two-pass split-K GPU kernel.
+// with log-sum-exp, like a two-pass split-K GPU kernel; the tail (uncompressed keys and
+// values every query sees) is one more partial.
 #include <cmath>
 #include <limits>
 
@@ -83,6 +84,9 @@ void attention_impl(
     const float* k_centroids,
     const float* v_centroids,
     const MaskView& mask,
+    const float* tail_k, // (B, Hkv, T, D) or nullptr
+    const float* tail_v,
+    int tail_len,
     float* out,
     float* lse) {
   Decoder<KB> k_decoder(k_centroids);
@@ -164,8 +168,42 @@ void attention_impl(
     }
   });
 
-  // Merge the chunks of each (batch, KV head) with log-sum-exp.
+  // The tail of each (batch, KV head): every row sees all of it.
+  std::vector<Partial> tails(tail_len > 0 ? sh.batch * sh.kv_heads : 0);
+  parallel_for(static_cast<int>(tails.size()), [&](int bh) {
+    int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
+    const float* q_rows = q + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
+    const float* tk = tail_k + static_cast<int64_t>(bh) * tail_len * D;
+    const float* tv = tail_v + static_cast<int64_t>(bh) * tail_len * D;
+    Partial& part = tails[bh];
+    part.max.assign(R, kNegInf);
+    part.sum.assign(R, 0.0f);
+    part.acc.assign(static_cast<size_t>(R) * D, 0.0f);
+    std::vector<float> scores(tail_len);
+    for (int r = 0; r < R; ++r) {
+      float m = kNegInf;
+      for (int j = 0; j < tail_len; ++j) {
+        scores[j] = dot(q_rows + r * D, tk + static_cast<int64_t>(j) * D, D) * p.scale;
+        m = std::max(m, scores[j]);
+      }
+      float sum = 0.0f;
+      float* acc = part.acc.data() + static_cast<size_t>(r) * D;
+      for (int j = 0; j < tail_len; ++j) {
+        float w = std::exp(scores[j] - m);
+        sum += w;
+        const float* v = tv + static_cast<int64_t>(j) * D;
+        for (int i = 0; i < D; ++i) {
+          acc[i] += w * v[i];
+        }
+      }
+      part.max[r] = m;
+      part.sum[r] = sum;
+    }
+  });
+
+  // Merge the chunks (and the tail) of each (batch, KV head) with log-sum-exp.
   for (int bh = 0; bh < sh.batch * sh.kv_heads; ++bh) {
+    const Partial* tail = tails.empty() ? nullptr : &tails[bh];
     int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
     for (int r = 0; r < R; ++r) {
       int g = r / sh.q_len, l = r % sh.q_len;
@@ -175,14 +213,20 @@ void attention_impl(
       for (int c = 0; c < n_chunks; ++c) {
         m = std::max(m, partials[bh * n_chunks + c].max[r]);
       }
+      if (tail) {
+        m = std::max(m, tail->max[r]);
+      }
       std::fill(o, o + D, 0.0f);
       if (m == kNegInf) {
         lse[row_index] = kNegInf;
         continue;
       }
       float sum = 0.0f;
-      for (int c = 0; c < n_chunks; ++c) {
-        const Partial& part = partials[bh * n_chunks + c];
+      for (int c = 0; c <= n_chunks; ++c) {
+        if (c == n_chunks && !tail) {
+          break;
+        }
+        const Partial& part = c < n_chunks ? partials[bh * n_chunks + c] : *tail;
         if (part.max[r] == kNegInf) {
           continue;
         }
@@ -246,9 +290,21 @@ void attention(
       mask.strides[i] = m.strides()[i];
     }
   }
+  const float* tail_k = nullptr;
+  const float* tail_v = nullptr;
+  int tail_len = 0;
+  if (p.has_tail) {
+    auto& tk = inputs[inputs.size() - 2];
+    tail_k = tk.data<float>();
+    tail_v = inputs.back().data<float>();
+    tail_len = tk.shape(2);
+  }
   encoder.dispatch([sh,
                     p,
                     mask,
+                    tail_k,
+                    tail_v,
+                    tail_len,
                     q_ptr = q.data<float>(),
                     kc = inputs[1].data<uint32_t>(),
                     ks = inputs[2].data<mx::float16_t>(),
@@ -261,7 +317,8 @@ void attention(
     dispatch_bits(p.key_bits, [&]<int KB>() {
       dispatch_bits(p.value_bits, [&]<int VB>() {
         attention_impl<KB, VB>(
-            sh, p, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, out_ptr, lse_ptr);
+            sh, p, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v, tail_len,
+            out_ptr, lse_ptr);
       });
     });
   });

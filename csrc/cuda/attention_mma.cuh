@@ -664,7 +664,7 @@ tq_attention_mma_kernel(
   }
   __syncthreads();
 
-  const bool single = p.n_splits == 1;
+  const bool single = p.partials == 0;
   for (int i = threadIdx.x; i < nr * D; i += C::THREADS) {
     const int r = i / D, d = i % D;
     float mm = tq_neg_inf();

@@ -453,6 +453,9 @@ void attention(
       key_splits(ap.kv_len, units, target, mma_sym != nullptr ? msh.step : sh.STEP);
   p.n_splits = splits;
   p.split_len = split_len;
+  // A tail is attended to by the merge, so a single split also writes partials.
+  const bool partials = splits > 1 || ap.has_tail;
+  p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;
   const void* sym = mma_sym; // else the SIMT kernel for the query dtype
@@ -478,7 +481,7 @@ void attention(
   const int rows_total = B * Hq * L;
   mx::array o_part({1}, mx::float32, nullptr, {});
   mx::array ml_part({1}, mx::float32, nullptr, {});
-  if (splits > 1) {
+  if (partials) {
     o_part = mx::array({rows_total, splits, D}, mx::float32, nullptr, {});
     ml_part = mx::array({rows_total, splits, 2}, mx::float32, nullptr, {});
     allocate(o_part, enc);
@@ -499,7 +502,7 @@ void attention(
   }
   float* op = nullptr;
   float* mlp = nullptr;
-  if (splits > 1) {
+  if (partials) {
     enc.set_output_array(o_part);
     enc.set_output_array(ml_part);
     op = mptr<float>(o_part);
@@ -530,9 +533,34 @@ void attention(
         mask_ptr, outp, lsep, op, mlp, p);
   }
 
-  if (splits > 1) {
-    auto fm = get_function(ck::attention_merge_kernel(D), "compressed_attention merge");
-    TQMergeParams mp{rows_total, splits};
+  if (partials) {
+    const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
+        : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
+                                                   : ck::QType::Float32;
+    auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
+    TQMergeParams mp{};
+    mp.rows = rows_total;
+    mp.n_splits = splits;
+    mp.q_heads = Hq;
+    mp.q_len = L;
+    mp.gqa = Hq / Hkv;
+    mp.scale_log2 = p.scale_log2;
+    const float* tkp = nullptr;
+    const float* tvp = nullptr;
+    if (ap.has_tail) {
+      const auto& tk = inputs[inputs.size() - 2];
+      const auto& tv = inputs.back();
+      for (int a = 0; a < 3; ++a) {
+        mp.q_stride[a] = q.strides()[a];
+        mp.tk_stride[a] = tk.strides()[a];
+        mp.tv_stride[a] = tv.strides()[a];
+      }
+      mp.tail_len = tk.shape(2);
+      enc.set_input_array(tk);
+      enc.set_input_array(tv);
+      tkp = cptr<float>(tk);
+      tvp = cptr<float>(tv);
+    }
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
     enc.set_output_array(out);
@@ -540,7 +568,8 @@ void attention(
     const float* opc = op;
     const float* mlc = mlp;
     enc.add_kernel_node_ex(
-        fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, outp, lsep, mp);
+        fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, qp, tkp, tvp,
+        outp, lsep, mp);
   }
 }
 

@@ -3,10 +3,21 @@
 
 namespace turboquant_mlx::cuda_kernels {
 
-const void* attention_merge_kernel(int d) {
+const void* attention_merge_kernel(int d, QType q) {
   const void* k = nullptr;
   dispatch_head_dim(d, [&](auto dd) {
-    k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<decltype(dd)::value>);
+    constexpr int D = decltype(dd)::value;
+    switch (q) {
+      case QType::Float32:
+        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<float, D>);
+        break;
+      case QType::Float16:
+        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<__half, D>);
+        break;
+      case QType::BFloat16:
+        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<unsigned short, D>);
+        break;
+    }
   });
   return k;
 }

@@ -39,15 +39,18 @@ __global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_kernel(
       ml_part, p, smem, tq_thread());
 }
 
-template <int D>
+template <typename QT, int D>
 __global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
     const float* __restrict__ o_part,
     const float* __restrict__ ml_part,
+    const QT* __restrict__ q,
+    const float* __restrict__ tail_k,
+    const float* __restrict__ tail_v,
     float* __restrict__ out,
     float* __restrict__ lse,
     const __grid_constant__ TQMergeParams p) {
-  __shared__ float smem[TQ_MAX_SPLITS + 8];
-  tq_attention_merge_impl<D>(o_part, ml_part, out, lse, p, smem, tq_thread());
+  __shared__ float smem[TQ_MERGE_SMEM];
+  tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, tq_thread());
 }
 
 template <int D, int B>
@@ -96,7 +99,7 @@ const void* attention_kernel_f16_lo(int d, int kb, int vb);
 const void* attention_kernel_f16_hi(int d, int kb, int vb);
 const void* attention_kernel_bf16_lo(int d, int kb, int vb);
 const void* attention_kernel_bf16_hi(int d, int kb, int vb);
-const void* attention_merge_kernel(int d);
+const void* attention_merge_kernel(int d, QType q);
 const void* quantize_kernel(int d, int b);
 const void* dequantize_kernel(int b);
 const void* copy_kernel(int itemsize);

@@ -297,11 +297,14 @@ void attention(
   splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
   p.n_splits = splits;
   p.split_len = split_len;
+  // A tail is attended to by the merge, so a single split also writes partials.
+  const bool partials = splits > 1 || ap.has_tail;
+  p.partials = partials ? 1 : 0;
 
   const int rows_total = B * Hq * L;
   mx::array o_part = out;
   mx::array ml_part = lse;
-  if (splits > 1) {
+  if (partials) {
     o_part = mx::array({rows_total, splits, D}, mx::float32, nullptr, {});
     ml_part = mx::array({rows_total, splits, 2}, mx::float32, nullptr, {});
     o_part.set_data(mx::allocator::malloc(o_part.nbytes()));
@@ -330,16 +333,39 @@ void attention(
   enc.dispatch_threadgroups(
       MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
 
-  if (splits > 1) {
-    TQMergeParams mp{rows_total, splits};
+  if (partials) {
+    TQMergeParams mp{};
+    mp.rows = rows_total;
+    mp.n_splits = splits;
+    mp.q_heads = Hq;
+    mp.q_len = L;
+    mp.gqa = Hq / Hkv;
+    mp.scale_log2 = p.scale_log2;
     std::ostringstream merge;
-    merge << "tq_attention_merge_d" << D;
+    merge << "tq_attention_merge_" << type_name(q.dtype()) << "_d" << D;
     enc.set_compute_pipeline_state(get_kernel(d, merge.str()));
     enc.set_input_array(o_part, 0);
     enc.set_input_array(ml_part, 1);
-    enc.set_output_array(out, 2);
-    enc.set_output_array(lse, 3);
-    enc.set_bytes(mp, 4);
+    enc.set_input_array(q, 2);
+    if (ap.has_tail) {
+      const auto& tk = inputs[inputs.size() - 2];
+      const auto& tv = inputs.back();
+      for (int a = 0; a < 3; ++a) {
+        mp.q_stride[a] = q.strides()[a];
+        mp.tk_stride[a] = tk.strides()[a];
+        mp.tv_stride[a] = tv.strides()[a];
+      }
+      mp.tail_len = tk.shape(2);
+      enc.set_input_array(tk, 3);
+      enc.set_input_array(tv, 4);
+    } else {
+      // Without a tail, slots 3-4 are bound to the partials and never read.
+      enc.set_input_array(o_part, 3);
+      enc.set_input_array(o_part, 4);
+    }
+    enc.set_output_array(out, 5);
+    enc.set_output_array(lse, 6);
+    enc.set_bytes(mp, 7);
     enc.dispatch_threadgroups(MTL::Size(rows_total, 1, 1), MTL::Size(TQ_MERGE_THREADS, 1, 1));
     enc.add_temporary(o_part);
     enc.add_temporary(ml_part);

@@ -79,6 +79,7 @@ from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import codebook, ops
+from .ops import MAX_TAIL_TOKENS
 from .attention import dense_attention, install_hook, merge_attention, merge_two, module_uses_hook
 from .rotation import Rotation, rotate_forward, rotate_inverse
 
@@ -227,9 +228,37 @@ def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
     return merge_two(dense_attention(q, k, v, scale), part)[0]
 
 
+def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_v,
+                   rotate_values, dense_k, dense_v):
+    """The op's inputs for a decode step whose fp16 segments (sinks, window; lists of
+    ``(B, H_kv, n, D)``) go in as its tail: the queries in code space and the segments
+    as the codec would quantize them (centered, scaled, rotated), float32. Scores and
+    values of the tail are then in the compressed tokens' space, so one softmax covers
+    both: centering shifts every score of a query by the same amount."""
+    q_codes = _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype)
+    k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
+    v = dense_v[0] if len(dense_v) == 1 else mx.concatenate(dense_v, axis=2)
+    tail_k, tail_v = _to_code_space(k, v, mu_k, mu_v, key_scale, signs, matrix, rot_scale,
+                                    rotate_values)
+    return q_codes, tail_k, tail_v
+
+
+def _tail_decode_output(out_rot, signs, matrix, rot_scale, mu_v):
+    """The layer's output ``(B, H_q, L, D)`` float32 from the op's output over the
+    compressed tokens and a tail: every row saw a key, so ``mu_v`` comes back as is."""
+    out = out_rot if signs is None and matrix is None else rotate_inverse(out_rot, signs, matrix, rot_scale)
+    if mu_v is None:
+        return out
+    B, n_q, L, D = out.shape
+    H = mu_v.shape[1]
+    return (out.reshape(B, H, n_q // H, L, D) + mu_v[:, :, None]).reshape(B, n_q, L, D)
+
+
 _fused_to_code_space = mx.compile(_to_code_space)
 _fused_queries_to_codes = mx.compile(_queries_to_codes)
 _fused_decode_output = mx.compile(_decode_output)
+_fused_decode_inputs = mx.compile(_decode_inputs)
+_fused_tail_decode_output = mx.compile(_tail_decode_output)
 
 
 def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
@@ -817,14 +846,17 @@ class TurboQuantKVCache(_BaseCache):
         S = self.fp16_sink_tokens
         _, c, wpos = self._layout()
         # The usual decode step: the compressed tokens and fp16 segments (sinks, window)
-        # that every query sees whole. One compiled function then goes from the op's
-        # output to the layer's output, attention over the fp16 segments included.
+        # that every query sees whole. Up to MAX_TAIL_TOKENS of the latter go into the
+        # attention op as its tail (one call); longer ones are attended to apart, and
+        # one compiled function goes from the op's output to the layer's output.
         segments = self._dense_segments(self.offset)
         fused = (_COMPILE and sinks is None and c >= L and all(
             self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
         if fused:
             dense_k = [k for k, _, _, _ in segments]
             dense_v = [v for _, v, _, _ in segments]
+            if 0 < sum(n for _, _, _, n in segments) <= MAX_TAIL_TOKENS:
+                return self._attend_decode_with_tail(queries, scale, mask, dense_k, dense_v)
             parts = []
         else:
             parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
@@ -857,6 +889,33 @@ class TurboQuantKVCache(_BaseCache):
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
+
+    def _attend_decode_with_tail(self, queries, scale, mask, dense_k, dense_v):
+        """A decode step as one attention call: the fp16 segments, which every query
+        sees whole, join the compressed tokens as the op's tail."""
+        L = queries.shape[2]
+        q0 = self.offset - L
+        S = self.fp16_sink_tokens
+        _, c, wpos = self._layout()
+        causal, op_mask = False, None
+        if isinstance(mask, str) and wpos == self.offset:
+            causal = True  # the queries are the last tokens of the compressed segment
+        else:
+            op_mask = self._segment_mask(mask, S, c, q0, L)
+        signs, matrix, rot_scale = self._rotation.params()
+        q_codes, tail_k, tail_v = _fused_decode_inputs(
+            queries, self._key_scale, signs, matrix, rot_scale,
+            _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
+            dense_k, dense_v,
+        )
+        out, _ = ops.compressed_attention(
+            q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+            self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
+            causal, op_mask, tail_k=tail_k, tail_v=tail_v,
+        )
+        if not self.rotate_values:
+            signs = matrix = None
+        return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v)
 
     def _block_sizes(self, B, n_q, L):
         """Query chunk and key block (tokens) that keep the scores within budget."""

@@ -134,8 +134,11 @@ def compressed_attention(
     value_bits: int,
     causal: bool = True,
     mask=None,
+    tail_k=None,
+    tail_v=None,
 ):
-    """Fallback of ops.compressed_attention: attention on the dequantized cache."""
+    """Fallback of ops.compressed_attention: attention on the dequantized cache, with
+    the tail's keys and values (seen by every query) after it."""
     B, n_q, L, D = q_rot.shape
     n_kv = k_codes.shape[1]
     G = n_q // n_kv
@@ -153,6 +156,15 @@ def compressed_attention(
             scores = mx.where(mask, scores, neg_inf)
         else:
             scores = scores + mask.astype(mx.float32)
+    if tail_k is not None and tail_k.shape[2] > 0:
+        T = tail_k.shape[2]
+        tail_scores = (q @ tail_k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)) * scale
+        scores = mx.concatenate(
+            [mx.broadcast_to(scores, (B, n_q, L, kv_len)), tail_scores.reshape(B, n_q, L, T)],
+            axis=-1,
+        )
+        v = mx.concatenate([v, tail_v.astype(mx.float32)], axis=2)
+        kv_len += T
     lse = mx.logsumexp(scores, axis=-1)
     visible = lse > -np.inf
     probs = mx.exp(scores - mx.where(visible, lse, 0.0)[..., None])

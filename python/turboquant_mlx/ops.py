@@ -17,6 +17,7 @@ __all__ = [
     "quantize_append",
     "compressed_attention",
     "dequantize",
+    "MAX_TAIL_TOKENS",
 ]
 
 words_per_token = _ext.words_per_token
@@ -59,6 +60,10 @@ def quantize_append(
         return fallback.quantize_append(codes, scales, x_rot, centroids, offset, bits)
 
 
+# Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
+MAX_TAIL_TOKENS = 256
+
+
 def compressed_attention(
     q_rot: mx.array,
     k_codes: mx.array,
@@ -74,9 +79,14 @@ def compressed_attention(
     causal: bool = True,
     mask: Optional[mx.array] = None,
     *,
+    tail_k: Optional[mx.array] = None,
+    tail_v: Optional[mx.array] = None,
     stream=None,
 ):
-    """Attention of rotated queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens.
+    """Attention of rotated queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens
+    and, when given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)``
+    in the same rotated space that every query sees, unmasked (a cache's fp16 sinks and
+    recent window), all in one softmax.
 
     Returns:
         tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 in rotated space and the
@@ -85,13 +95,14 @@ def compressed_attention(
     if has_kernels(stream):
         out, lse = _ext.compressed_attention(
             q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
-            kv_len, scale, key_bits, value_bits, causal, mask, stream=stream,
+            kv_len, scale, key_bits, value_bits, causal, mask,
+            tail_k=tail_k, tail_v=tail_v, stream=stream,
         )
         return out, lse
     with mx.stream(stream) if stream is not None else _nullcontext():
         return fallback.compressed_attention(
             q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
-            kv_len, scale, key_bits, value_bits, causal, mask,
+            kv_len, scale, key_bits, value_bits, causal, mask, tail_k, tail_v,
         )
 
 

@@ -174,6 +174,8 @@ def attention(
     kv_len: int,
     causal: bool,
     mask=None,
+    tail_k=None,
+    tail_v=None,
 ):
     """Scaled dot-product attention in float64, with the cache's conventions.
 
@@ -188,6 +190,8 @@ def attention(
             ``j <= kv_len - L + i``.
         mask: Optional bool (True = keep) or additive mask, broadcastable to
             ``(B, H_q, L, kv_len)``. An additive mask is added after scaling.
+        tail_k, tail_v: Optional extra keys and values ``(B, H_kv, T, D)`` that every
+            query sees, after the ``kv_len`` keys (neither causal nor mask applies).
 
     Returns:
         A tuple ``(out, lse)``: ``out`` of shape ``(B, H_q, L, D)`` and ``lse``, the
@@ -239,6 +243,11 @@ def attention(
         else:
             scores = scores + mask.astype(np.float64)
     scores = np.where(keep, scores, -np.inf)
+    if tail_k is not None:
+        tk = np.repeat(np.asarray(tail_k, dtype=np.float64), group, axis=1)
+        tv = np.repeat(np.asarray(tail_v, dtype=np.float64), group, axis=1)
+        scores = np.concatenate([scores, scale * (q @ np.swapaxes(tk, -1, -2))], axis=-1)
+        v = np.concatenate([v, tv], axis=2)
 
     # Softmax with the row maximum subtracted; rows without a visible key
     # (maximum -inf) are set to out = 0, lse = -inf explicitly.
