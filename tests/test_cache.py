@@ -882,3 +882,33 @@ def test_queries_cover_the_whole_short_cache(L):
         want = _expected(q, K, V, 0.3, "causal")
         np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want),
                                    atol=TOL * _magnitude(V))
+
+
+def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
+    # A decode step keeps its tail (sinks and window) in code space; the window token
+    # that leaves at the next step is quantized from it instead of transformed again.
+    # The stored codes must be those of a cache that transforms it (no attention calls).
+    cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
+               key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
+    rng = np.random.default_rng(4)
+    B, H, D = 1, 2, 64
+    attending, storing = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
+    k, v = _rand(rng, (B, H, 40, D)) + 2.0, _rand(rng, (B, H, 40, D))
+    for c in (attending, storing):
+        c.update_and_fetch(k, v)
+    attending.attention(_rand(rng, (B, 2 * H, 40, D)), 0.125, "causal")
+    # (the storing cache calibrates on the same 36 tokens at its next update)
+    transformed = []
+    quantize = attending._quantize
+    for step in range(12):
+        if step == 1:  # the first decode step has no tail from a previous one
+            monkeypatch.setattr(
+                attending, "_quantize", lambda *a: transformed.append(a) or quantize(*a))
+        k, v = _rand(rng, (B, H, 1, D)) + 2.0, _rand(rng, (B, H, 1, D))
+        for c in (attending, storing):
+            c.update_and_fetch(k, v)
+        attending.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
+    assert transformed == []  # every leaving token came from the tail
+    assert attending._n_comp == storing._n_comp == 40 + 12 - 4 - 8
+    for a, b in zip(attending.state, storing.state):
+        np.testing.assert_array_equal(np.array(a), np.array(b))

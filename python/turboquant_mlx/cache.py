@@ -236,6 +236,8 @@ def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_
     values of the tail are then in the compressed tokens' space, so one softmax covers
     both: centering shifts every score of a query by the same amount."""
     q_codes = _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype)
+    if not dense_k:
+        return q_codes, None, None
     k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
     v = dense_v[0] if len(dense_v) == 1 else mx.concatenate(dense_v, axis=2)
     tail_k, tail_v = _to_code_space(k, v, mu_k, mu_v, key_scale, signs, matrix, rot_scale,
@@ -243,15 +245,19 @@ def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_
     return q_codes, tail_k, tail_v
 
 
-def _tail_decode_output(out_rot, signs, matrix, rot_scale, mu_v):
-    """The layer's output ``(B, H_q, L, D)`` float32 from the op's output over the
-    compressed tokens and a tail: every row saw a key, so ``mu_v`` comes back as is."""
-    out = out_rot if signs is None and matrix is None else rotate_inverse(out_rot, signs, matrix, rot_scale)
-    if mu_v is None:
-        return out
-    B, n_q, L, D = out.shape
-    H = mu_v.shape[1]
-    return (out.reshape(B, H, n_q // H, L, D) + mu_v[:, :, None]).reshape(B, n_q, L, D)
+def _tail_decode_output(out_rot, signs, matrix, rot_scale, mu_v, like):
+    """The layer's output ``(B, H_q, L, D)`` in ``like``'s dtype from the op's output over the
+    compressed tokens and a tail: every row saw a key, so ``mu_v`` comes back as is.
+    The rows are grouped by KV head first, so that the rotation's last step, ``mu_v``
+    and the cast fuse into one kernel."""
+    B, n_q, L, D = out_rot.shape
+    H = 1 if mu_v is None else mu_v.shape[1]
+    out = out_rot.reshape(B, H, n_q // H, L, D)
+    if signs is not None or matrix is not None:
+        out = rotate_inverse(out, signs, matrix, rot_scale)
+    if mu_v is not None:
+        out = out + mu_v[:, :, None]
+    return out.astype(like.dtype).reshape(B, n_q, L, D)
 
 
 _fused_to_code_space = mx.compile(_to_code_space)
@@ -405,6 +411,10 @@ class TurboQuantKVCache(_BaseCache):
         # The last prefill block as it arrived: (keys, values, first position), until
         # the attention call that follows it (see update_and_fetch).
         self._fresh = None
+        # The last decode step's tail in code space and where it lies: (keys, values,
+        # sink count, window start). A window token leaving for the compressed segment
+        # is quantized from it instead of transformed again.
+        self._code_tail = None
         # Calibration of the levers (module docstring); None means identity.
         self._calibrated = not (self.center or self.query_aware_keys)
         self._mu_k = self._mu_v = self._key_scale = None
@@ -501,11 +511,16 @@ class TurboQuantKVCache(_BaseCache):
         n = keys.shape[2]
         if n == 0:
             return
-        self._ensure_capacity(self._n_comp + n)
         # Decode-sized appends have a fixed shape: compiled (see _COMPILE).
         fn = _fused_to_code_space if _COMPILE and n <= self.decode_max_queries else _to_code_space
         k_rot, v_rot = fn(keys, values, self._mu_k, self._mu_v, self._key_scale,
                           *self._rotation.params(), self.rotate_values)
+        self._append_code_space(k_rot, v_rot)
+
+    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array):
+        """Appends tokens already in code space (see :func:`_to_code_space`)."""
+        n = k_rot.shape[2]
+        self._ensure_capacity(self._n_comp + n)
         self._k_codes, self._k_scales = ops.quantize_append(
             self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
         )
@@ -591,6 +606,7 @@ class TurboQuantKVCache(_BaseCache):
                     self._q_energy / self._q_count, mx.mean(k * k, axis=2)
                 )
         self._calibrated = True
+        self._code_tail = None
         self._q_energy, self._q_count = None, 0
         self._win_k = self._win_v = None
         self._win_start = S
@@ -683,11 +699,26 @@ class TurboQuantKVCache(_BaseCache):
         first = S + self._n_comp  # first position not yet quantized
         end = P + n - R  # positions before this leave the window
         if end > first:
-            self._quantize(*span(first, end))
+            in_code_space = self._code_tail_span(first, end)
+            if in_code_space is not None:
+                self._append_code_space(*in_code_space)
+            else:
+                self._quantize(*span(first, end))
         keep_from = max(self._win_start, P + n - self._window_capacity)
         wk, wv = span(keep_from, P + n)
         self._win_k, self._win_v = mx.contiguous(wk), mx.contiguous(wv)
         self._win_start = keep_from
+
+    def _code_tail_span(self, a: int, b: int):
+        """Window positions ``[a, b)`` in code space from the last decode step's tail,
+        or None where it does not hold them."""
+        if self._code_tail is None:
+            return None
+        tk, tv, ns, wpos = self._code_tail
+        if not (wpos <= a and b <= wpos + tk.shape[2] - ns):
+            return None
+        i = ns + a - wpos
+        return tk[:, :, i : i + b - a], tv[:, :, i : i + b - a]
 
     def _layout(self):
         """``(ns, c, wpos)``: sink count, compressed tokens in use, window start."""
@@ -855,7 +886,10 @@ class TurboQuantKVCache(_BaseCache):
         if fused:
             dense_k = [k for k, _, _, _ in segments]
             dense_v = [v for _, v, _, _ in segments]
-            if 0 < sum(n for _, _, _, n in segments) <= MAX_TAIL_TOKENS:
+            tail = sum(n for _, _, _, n in segments)
+            # Without a tail, a row whose keys are all masked must stay 0: mu_v is only
+            # added where a row saw a key (the general path checks).
+            if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
                 return self._attend_decode_with_tail(queries, scale, mask, dense_k, dense_v)
             parts = []
         else:
@@ -891,12 +925,12 @@ class TurboQuantKVCache(_BaseCache):
         return merge_attention(parts)[0]
 
     def _attend_decode_with_tail(self, queries, scale, mask, dense_k, dense_v):
-        """A decode step as one attention call: the fp16 segments, which every query
-        sees whole, join the compressed tokens as the op's tail."""
+        """A decode step as one attention call: the fp16 segments (possibly none),
+        which every query sees whole, join the compressed tokens as the op's tail."""
         L = queries.shape[2]
         q0 = self.offset - L
         S = self.fp16_sink_tokens
-        _, c, wpos = self._layout()
+        ns, c, wpos = self._layout()
         causal, op_mask = False, None
         if isinstance(mask, str) and wpos == self.offset:
             causal = True  # the queries are the last tokens of the compressed segment
@@ -908,6 +942,8 @@ class TurboQuantKVCache(_BaseCache):
             _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
             dense_k, dense_v,
         )
+        if tail_k is not None:
+            self._code_tail = (tail_k, tail_v, ns, wpos)
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
@@ -915,7 +951,7 @@ class TurboQuantKVCache(_BaseCache):
         )
         if not self.rotate_values:
             signs = matrix = None
-        return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v)
+        return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v, queries)
 
     def _block_sizes(self, B, n_q, L):
         """Query chunk and key block (tokens) that keep the scores within budget."""
@@ -1072,6 +1108,7 @@ class TurboQuantKVCache(_BaseCache):
         if n == 0:
             return 0
         self._fresh = None
+        self._code_tail = None
         new = self.offset - n
         S = self.fp16_sink_tokens
         if self._sink_k is not None and new < self._sink_k.shape[2]:
@@ -1241,6 +1278,7 @@ class TurboQuantKVCache(_BaseCache):
         self._config_set = True
 
     def _set_arrays(self, arrays):
+        self._code_tail = None
         arrays = list(arrays) + [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
         kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
             None if _is_empty(a) else a for a in arrays
