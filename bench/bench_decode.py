@@ -11,14 +11,18 @@ For each context length and each cache, every layer's cache is filled directly w
 random keys and values of the model's dtype (``update_and_fetch`` in chunks, evaluated
 after each) -- no prefill through the model -- then the model decodes one token at a
 time with that cache: a step is one forward pass of one token plus the evaluation of
-its logits. After warm-up steps, the median step time gives tokens/s. All caches are
-measured in the same run, one after the other, each freed before the next.
+its logits. All caches of one context are filled first and then timed in
+``--rounds`` interleaved rounds (warm-up steps, then ``--steps`` timed steps each;
+the order rotates between rounds), so that a shared GPU's drifting clocks and
+neighbours weigh on every cache alike; the median step time over all rounds gives
+tokens/s.
 
 Columns: "KV GiB" is what the caches hold after the timed steps (allocated buffers,
 all layers) and "KV /
-fp16" its ratio to the fp16 cache's; "peak GiB" is MLX's peak memory over the timed
-steps (weights + caches + temporaries); "× fp16" is decode tokens/s over the fp16
-cache's at the same context (the fp16 cache must come first in ``--caches``).
+fp16" its ratio to the fp16 cache's; "peak GiB" is MLX's peak memory over the cache's
+timed steps (weights + caches + temporaries) less the other caches held at the time;
+"× fp16" is decode tokens/s over the fp16 cache's at the same context (the fp16 cache
+must come first in ``--caches``).
 
 Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), ``k<b>v<b>`` (a plain
 TurboQuantKVCache with those bit widths: no sinks, window or levers), a preset name
@@ -65,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--caches", default=DEFAULT_CACHES, help=f"default: {DEFAULT_CACHES}")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved timing rounds over the caches of one context")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache fill call")
     p.add_argument("--device", choices=("gpu", "cpu"), default=None,
                    help="default: gpu if MLX has one")
@@ -172,6 +178,8 @@ def kv_bytes(caches):
 
 
 def time_decode(model, caches, a):
+    """Step times of ``a.warmup`` untimed then ``a.steps`` timed decode steps, the
+    peak memory over the timed ones, and whether the last logits are finite."""
     tok = mx.array([[1]], dtype=mx.int32)
 
     def step():
@@ -190,7 +198,7 @@ def time_decode(model, caches, a):
         times.append(time.perf_counter() - t0)
     peak = mx.get_peak_memory()
     finite = bool(mx.isfinite(logits.astype(mx.float32)).all().item())
-    return statistics.median(times), min(times), peak, finite
+    return times, peak, finite
 
 
 def main(argv=None):
@@ -212,8 +220,8 @@ def main(argv=None):
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} q / {a.kv_heads} kv heads, "
           f"head dim {a.head_dim}, intermediate {a.intermediate}, vocab {a.vocab}, "
           f"{a.weight_bits}-bit g{a.group_size} weights {weight_bytes(model) / GiB:.2f} GiB "
-          f"(built in {time.perf_counter() - t0:.1f} s); {a.warmup} warm-up + {a.steps} "
-          f"timed steps, median", flush=True)
+          f"(built in {time.perf_counter() - t0:.1f} s); {a.rounds} rounds of {a.warmup} "
+          f"warm-up + {a.steps} timed steps, median", flush=True)
 
     rows = []
     header = ("| context | cache | KV GiB | KV / fp16 | decode tok/s | ms/token | × fp16 | peak GiB |\n"
@@ -221,34 +229,58 @@ def main(argv=None):
     print("\n" + header, flush=True)
     for ctx in contexts:
         label = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
-        base = base_bytes = None
+        held, errors, t_fill = {}, {}, {}
         for name in names:
-            caches = None
             try:
                 t1 = time.perf_counter()
-                caches = make_caches(model, name, ctx + a.warmup + a.steps + 1)
+                caches = make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
                 fill(caches, ctx, a, dtype)
-                t_fill = time.perf_counter() - t1
-                med, best, peak, finite = time_decode(model, caches, a)
-                # After decoding: caches with levers hold a fill of one chunk unquantized
-                # until the next append calibrates them.
-                nbytes = kv_bytes(caches)
-                if name == "fp16":
-                    base, base_bytes = med, nbytes
-                ratio = f"{base / med:.2f}" if base else "–"
-                bratio = f"{nbytes / base_bytes:.3f}" if base_bytes else "–"
-                row = (f"| {label} | {name} | {nbytes / GiB:.3f} | {bratio} | {1 / med:.1f} | "
-                       f"{med * 1e3:.2f} | {ratio} | {peak / GiB:.2f} |"
-                       + ("" if finite else " non-finite logits"))
-                print(row + f"  <!-- fill {t_fill:.1f} s, best {best * 1e3:.2f} ms -->",
-                      flush=True)
+                held[name] = caches
+                t_fill[name] = time.perf_counter() - t1
             except Exception as e:  # keep measuring the other caches
+                errors[name] = e
+                gc.collect()
+                mx.clear_cache()
+        times = {name: [] for name in held}
+        peaks = {name: 0 for name in held}
+        finite = {name: True for name in held}
+        order = list(held)
+        for r in range(a.rounds):
+            for name in order[r % len(order):] + order[: r % len(order)]:
+                try:
+                    t, peak, ok = time_decode(model, held[name], a)
+                except Exception as e:
+                    errors[name] = e
+                    continue
+                times[name] += t
+                others = sum(kv_bytes(c) for n, c in held.items() if n != name)
+                peaks[name] = max(peaks[name], peak - others)
+                finite[name] &= ok
+        base = base_bytes = None
+        for name in names:
+            if name in errors or not times.get(name):
+                e = errors.get(name)
                 row = f"| {label} | {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | |"
                 print(row, flush=True)
+                rows.append(row)
+                continue
+            med, best = statistics.median(times[name]), min(times[name])
+            # After decoding: caches with levers hold a fill of one chunk unquantized
+            # until the next append calibrates them.
+            nbytes = kv_bytes(held[name])
+            if name == "fp16":
+                base, base_bytes = med, nbytes
+            ratio = f"{base / med:.2f}" if base else "–"
+            bratio = f"{nbytes / base_bytes:.3f}" if base_bytes else "–"
+            row = (f"| {label} | {name} | {nbytes / GiB:.3f} | {bratio} | {1 / med:.1f} | "
+                   f"{med * 1e3:.2f} | {ratio} | {peaks[name] / GiB:.2f} |"
+                   + ("" if finite[name] else " non-finite logits"))
+            print(row + f"  <!-- fill {t_fill[name]:.1f} s, best {best * 1e3:.2f} ms -->",
+                  flush=True)
             rows.append(row)
-            del caches
-            gc.collect()
-            mx.clear_cache()
+        del held
+        gc.collect()
+        mx.clear_cache()
 
     print("\n### Decode, 8B-shaped llama" if a.layers == 32 and a.hidden == 4096
           else "\n### Decode, reduced llama", f"({a.weight_bits}-bit weights, {a.dtype}, "

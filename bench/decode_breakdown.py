@@ -4,7 +4,8 @@
 ``bench_decode.py`` at one context, timed with the fp16 cache, with a compressed
 cache, and with that cache's parts left out one at a time.
 
-Variants (same filled caches, timed one after the other):
+Variants (same filled caches, timed in ``--rounds`` interleaved rounds whose order
+rotates, median step time over all rounds):
   fp16           mlx-lm's KVCache
   <cache>        the compressed cache, as in bench_decode.py
   no-attention   ``ops.compressed_attention`` replaced by zeros of its output shapes
@@ -24,7 +25,7 @@ Usage:
 """
 
 import argparse
-import gc
+import statistics
 import sys
 
 import mlx.core as mx
@@ -48,41 +49,38 @@ def main(argv=None):
     p.add_argument("--cache", default="k4v4", help="a bench_decode.py cache name")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
     own, rest = p.parse_known_args(argv)
-    a = bd.parse_args(rest + ["--steps", str(own.steps), "--warmup", str(own.warmup)])
+    a = bd.parse_args(rest + ["--steps", str(own.steps), "--warmup", str(own.warmup),
+                              "--rounds", str(own.rounds)])
     mx.set_default_device(mx.gpu if mx.is_available(mx.gpu) else mx.cpu)
     dtype = getattr(mx, a.dtype or ("float16" if mx.default_device() == mx.gpu else "float32"))
     print(f"mlx {mx.__version__}, {mx.default_device()}, kernels {_ext.gpu_backend()}, "
           f"context {own.context}, cache {own.cache}", flush=True)
     model = bd.build_model(a, dtype)
-    total = own.context + a.warmup + a.steps + 1
+    total = own.context + a.rounds * 4 * (a.warmup + a.steps) + 1
 
-    rows = []
-    caches = bd.make_caches(model, "fp16", total)
-    bd.fill(caches, own.context, a, dtype)
-    med, _, _, _ = bd.time_decode(model, caches, a)
-    rows.append(("fp16", med))
-    del caches
-    gc.collect()
-    mx.clear_cache()
-
+    fp16 = bd.make_caches(model, "fp16", total)
+    bd.fill(fp16, own.context, a, dtype)
     caches = bd.make_caches(model, own.cache, total)
     bd.fill(caches, own.context, a, dtype)
     real_attention, real_append = ops.compressed_attention, ops.quantize_append
     variants = [
-        (own.cache, real_attention, real_append),
-        ("no-attention", _zeros_attention, real_append),
-        ("no-append", real_attention, _keep_buffers),
-        ("neither", _zeros_attention, _keep_buffers),
-        (own.cache + " (again)", real_attention, real_append),
+        ("fp16", fp16, real_attention, real_append),
+        (own.cache, caches, real_attention, real_append),
+        ("no-attention", caches, _zeros_attention, real_append),
+        ("no-append", caches, real_attention, _keep_buffers),
+        ("neither", caches, _zeros_attention, _keep_buffers),
     ]
+    times = {name: [] for name, *_ in variants}
     try:
-        for name, attention, append in variants:
-            ops.compressed_attention, ops.quantize_append = attention, append
-            med, _, _, _ = bd.time_decode(model, caches, a)
-            rows.append((name, med))
+        for r in range(a.rounds):
+            for name, cache, attention, append in variants[r % 5:] + variants[: r % 5]:
+                ops.compressed_attention, ops.quantize_append = attention, append
+                times[name] += bd.time_decode(model, cache, a)[0]
     finally:
         ops.compressed_attention, ops.quantize_append = real_attention, real_append
+    rows = [(name, statistics.median(t)) for name, t in times.items()]
 
     layers = len(model.layers)
     print(f"\n### Decode step breakdown, {own.context} tokens, {layers} layers, "
