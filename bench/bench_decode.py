@@ -20,7 +20,8 @@ tokens/s.
 Columns: "KV GiB" is what the caches hold after the timed steps (allocated buffers,
 all layers) and "KV /
 fp16" its ratio to the fp16 cache's; "peak GiB" is MLX's peak memory over the cache's
-timed steps (weights + caches + temporaries) less the other caches held at the time;
+timed steps (weights + caches + temporaries) less the other caches held at the time
+(least over the rounds);
 "× fp16" is decode tokens/s over the fp16 cache's at the same context (the fp16 cache
 must come first in ``--caches``).
 
@@ -242,7 +243,7 @@ def main(argv=None):
                 gc.collect()
                 mx.clear_cache()
         times = {name: [] for name in held}
-        peaks = {name: 0 for name in held}
+        peaks = {name: float("inf") for name in held}
         finite = {name: True for name in held}
         order = list(held)
         for r in range(a.rounds):
@@ -253,8 +254,11 @@ def main(argv=None):
                     errors[name] = e
                     continue
                 times[name] += t
+                # The other caches' bytes are subtracted; until their first decode
+                # step, caches still hold their last fill chunk (a prefill block's
+                # reference), so the least of the rounds is the cache's own peak.
                 others = sum(kv_bytes(c) for n, c in held.items() if n != name)
-                peaks[name] = max(peaks[name], peak - others)
+                peaks[name] = min(peaks[name], peak - others)
                 finite[name] &= ok
         base = base_bytes = None
         for name in names:
