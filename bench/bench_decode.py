@@ -10,8 +10,10 @@ float16 on the GPU (float32 on the CPU, where MLX's fp16 quantized matmul is slo
 For each context length and each cache, every layer's cache is filled directly with
 random keys and values of the model's dtype (``update_and_fetch`` in chunks, evaluated
 after each) -- no prefill through the model -- then the model decodes one token at a
-time with that cache: a step is one forward pass of one token plus the evaluation of
-its logits. All caches of one context are filled first and then timed in
+time with that cache: a step is one forward pass of one token and its greedy next
+token, pipelined as mlx-lm's ``generate_step`` does it (the next step's graph is
+built while the device computes the current one; ``--sync`` evaluates each step
+before building the next, which adds the host-side time). All caches of one context are filled first and then timed in
 ``--rounds`` interleaved rounds (warm-up steps, then ``--steps`` timed steps each;
 the order rotates between rounds), so that a shared GPU's drifting clocks and
 neighbours weigh on every cache alike; the median step time over all rounds gives
@@ -25,9 +27,10 @@ timed steps (weights + caches + temporaries) less the other caches held at the t
 "× fp16" is decode tokens/s over the fp16 cache's at the same context (the fp16 cache
 must come first in ``--caches``).
 
-Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), ``k<b>v<b>`` (a plain
-TurboQuantKVCache with those bit widths: no sinks, window or levers), a preset name
-of turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``), or
+Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), a preset name of
+turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
+``k<b>v<b>`` that is not a preset name (a plain TurboQuantKVCache with those bit
+widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``PRESET@wN`` (that preset with its last N tokens in fp16),
 ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
@@ -70,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--caches", default=DEFAULT_CACHES, help=f"default: {DEFAULT_CACHES}")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
+    p.add_argument("--sync", action="store_true",
+                   help="evaluate each step before building the next (default: pipelined "
+                        "like mlx-lm's generate_step)")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved timing rounds over the caches of one context")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache fill call")
@@ -128,15 +134,15 @@ def make_caches(model, name, total_tokens):
     if m:
         return [QuantizedKVCache(group_size=64, bits=int(m.group(1))) for _ in range(n)]
     m = re.fullmatch(r"k(\d)v(\d)", name)
-    if m:
+    if name in PRESETS:  # before k<b>v<b>: "k4v3" is a preset
+        caches = make_prompt_cache(model, preset=name)
+    elif m:
         install_hook()
         caches = [
             TurboQuantKVCache(key_bits=int(m.group(1)), value_bits=int(m.group(2)),
                               seed=layer_seed(0, i))
             for i in range(n)
         ]
-    elif name in PRESETS:
-        caches = make_prompt_cache(model, preset=name)
     elif re.fullmatch(r"(.+)@w(\d+)", name) and name.split("@w")[0] in PRESETS:
         base, window = name.split("@w")
         caches = make_prompt_cache(
@@ -180,23 +186,50 @@ def kv_bytes(caches):
 
 def time_decode(model, caches, a):
     """Step times of ``a.warmup`` untimed then ``a.steps`` timed decode steps, the
-    peak memory over the timed ones, and whether the last logits are finite."""
-    tok = mx.array([[1]], dtype=mx.int32)
+    peak memory over the timed ones, and whether the last logits are finite.
 
-    def step():
-        logits = model(tok, cache=caches)
-        mx.eval(logits)
-        return logits
+    By default the steps run as mlx-lm's ``generate_step`` runs them: the next
+    step's graph is built (Python, the caches' bookkeeping) while the GPU computes
+    the current one (``mx.async_eval``), each step feeding its greedy token to the
+    next. With ``--sync`` every step is built, then evaluated, so that the host-side
+    time adds to the device time.
+    """
+    def step(tok):
+        logits = model(tok[:, None], cache=caches)[:, -1]
+        return mx.argmax(logits, axis=-1).astype(mx.int32), logits
 
-    for _ in range(a.warmup):
-        step()
+    tok = mx.array([1], dtype=mx.int32)
+    if a.sync:
+        def run(n):
+            times, logits = [], None
+            for _ in range(n):
+                t0 = time.perf_counter()
+                _, logits = step(tok)
+                mx.eval(logits)
+                times.append(time.perf_counter() - t0)
+            return times, logits
+    else:
+        def run(n):
+            y, logits = step(tok)
+            mx.async_eval(y, logits)
+            times = []
+            t0 = time.perf_counter()
+            for _ in range(n):
+                next_y, next_logits = step(y)
+                mx.async_eval(next_y, next_logits)
+                y.item()  # as generate_step hands out each token
+                t1 = time.perf_counter()
+                times.append(t1 - t0)
+                t0 = t1
+                y, logits = next_y, next_logits
+            mx.eval(logits)
+            return times, logits
+
+    run(a.warmup)
     mx.synchronize()
     mx.reset_peak_memory()
-    times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        logits = step()
-        times.append(time.perf_counter() - t0)
+    times, logits = run(a.steps)
+    mx.synchronize()
     peak = mx.get_peak_memory()
     finite = bool(mx.isfinite(logits.astype(mx.float32)).all().item())
     return times, peak, finite
