@@ -60,10 +60,12 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from turboquant_mlx import _ext
 from turboquant_mlx.attention import install_hook
-from turboquant_mlx.cache import PRESETS, TurboQuantKVCache, layer_seed, make_prompt_cache
+from turboquant_mlx.cache import (
+    PRESETS, TurboQuantKVCache, get_preset, layer_seed, make_prompt_cache,
+)
 
 GiB = 2**30
-DEFAULT_CACHES = "fp16,k4v4,k3v3,tq4,tq3,tq4-sink,affine4"
+DEFAULT_CACHES = "fp16,k4v4,tq4-nowindow,tq4,tq3,k4v3"
 
 
 def parse_args(argv=None):
@@ -134,8 +136,8 @@ def make_caches(model, name, total_tokens):
     if m:
         return [QuantizedKVCache(group_size=64, bits=int(m.group(1))) for _ in range(n)]
     m = re.fullmatch(r"k(\d)v(\d)", name)
-    if name in PRESETS:  # before k<b>v<b>: "k4v3" is a preset
-        caches = make_prompt_cache(model, preset=name)
+    if name in PRESETS or "@w" in name:  # before k<b>v<b>: "k4v3" is a preset
+        caches = make_prompt_cache(model, preset=get_preset(name))
     elif m:
         install_hook()
         caches = [
@@ -143,11 +145,6 @@ def make_caches(model, name, total_tokens):
                               seed=layer_seed(0, i))
             for i in range(n)
         ]
-    elif re.fullmatch(r"(.+)@w(\d+)", name) and name.split("@w")[0] in PRESETS:
-        base, window = name.split("@w")
-        caches = make_prompt_cache(
-            model, preset=dataclasses.replace(PRESETS[base], fp16_recent_tokens=int(window))
-        )
     else:
         raise ValueError(f"unknown cache {name!r}: fp16, k<b>v<b>, affine<b> or one of "
                          f"{', '.join(PRESETS)}")

@@ -108,16 +108,12 @@ def parse_candidate(text: str, tq, preset, n_layers: int):
     import dataclasses
 
     name, sched = (text.split("=", 1) + [None])[:2] if "=" in text else (text, None)
-    name, _, window = name.strip().partition("@w")
-    if window:
-        # NAME@wN: the same with the last N tokens in fp16 (fp16_recent_tokens).
-        base = preset if sched is not None else tq.get_preset(name)
-        preset = dataclasses.replace(base, fp16_recent_tokens=int(window))
-        if sched is None:
-            return dataclasses.replace(preset, name=text.strip(),
-                                       description=f"{name} with a {window}-token fp16 window")
     if sched is None:
-        return tq.get_preset(name)
+        return tq.get_preset(name.strip())  # also NAME@wN
+    _, _, window = name.strip().partition("@w")
+    if window:
+        # NAME@wN=SCHED: --preset with the last N tokens in fp16 (fp16_recent_tokens).
+        preset = dataclasses.replace(preset, fp16_recent_tokens=int(window))
     name = text.split("=", 1)[0]
     entries = []
     for item in sched.split(";"):

@@ -313,16 +313,14 @@ def turboquant_configs() -> List[CacheConfig]:
 
 def window_variant(name: str) -> Optional[CacheConfig]:
     """``PRESET@wN``: the preset with its last N tokens in fp16 (``fp16_recent_tokens``)."""
-    m = re.fullmatch(r"(.+)@w(\d+)", name)
-    if not m:
+    if "@w" not in name:
         return None
     import turboquant_mlx.cache as tq
 
-    base = tq.PRESETS.get(m.group(1))
-    if base is None or not base.compressed:
+    try:
+        preset = tq.get_preset(name)
+    except ValueError:
         return None
-    preset = dataclasses.replace(base, name=name, fp16_recent_tokens=int(m.group(2)),
-                                 description=f"{base.name} with a {m.group(2)}-token fp16 window")
     return _preset_config(tq, name, preset)
 
 

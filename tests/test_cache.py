@@ -715,6 +715,19 @@ def test_corrupted_or_truncated_file_is_refused(tmp_path):
 # presets and factory
 
 
+def test_window_variant_of_a_preset():
+    # PRESET@wN: the preset with its last N tokens in fp16, everything else equal.
+    p = get_preset("tq3@w128")
+    assert p.fp16_recent_tokens == 128 and p.name == "tq3@w128"
+    assert (p.key_bits, p.value_bits, p.center, p.fp16_sink_tokens) == (4, 2, True, 4)
+    model = build_model("llama", num_hidden_layers=2)
+    caches = make_prompt_cache(model, preset="tq4@w8")
+    assert all(c.fp16_recent_tokens == 8 for c in caches)
+    for bad in ("tq4@w", "tq4@wx", "fp16@w8", "nope@w8"):
+        with pytest.raises(ValueError, match="PRESET@wN"):
+            get_preset(bad)
+
+
 def test_presets_table():
     with pytest.raises(ValueError, match="valid presets: fp16, tq4, tq3"):
         get_preset("tq5")

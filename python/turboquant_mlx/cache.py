@@ -1655,15 +1655,24 @@ DEFAULT_PRESET = "tq4"
 
 
 def get_preset(name: Union[str, KVPreset]) -> KVPreset:
-    """Returns the preset called ``name``; raises ValueError listing the valid names."""
+    """Returns the preset called ``name``; raises ValueError listing the valid names.
+
+    ``PRESET@wN`` (e.g. ``tq4@w128``) is that compressed preset with its last ``N``
+    tokens kept in fp16 (``fp16_recent_tokens=N``)."""
     if isinstance(name, KVPreset):
         return name
-    try:
+    if isinstance(name, str) and name in PRESETS:
         return PRESETS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"{_PREFIX} unknown preset {name!r}; valid presets: {', '.join(PRESETS)}."
-        ) from None
+    base, sep, window = name.rpartition("@w") if isinstance(name, str) else ("", "", "")
+    if sep and window.isdigit() and base in PRESETS and PRESETS[base].compressed:
+        return dataclasses.replace(
+            PRESETS[base], name=name, fp16_recent_tokens=int(window),
+            description=f"{base} with a {int(window)}-token fp16 window",
+        )
+    raise ValueError(
+        f"{_PREFIX} unknown preset {name!r}; valid presets: {', '.join(PRESETS)} "
+        f"(compressed ones also as PRESET@wN: the last N tokens in fp16)."
+    )
 
 
 def layer_seed(seed: int, layer_idx: int) -> int:

@@ -91,7 +91,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", type=int, default=3,
                         help="Number of tokens to draft when using speculative decoding.")
     parser.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                        help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}.")
+                        help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}. "
+                        "PRESET@wN: a compressed preset with its last N tokens in fp16.")
     parser.add_argument("--kv-key-bits", type=int, default=None, choices=(2, 3, 4),
                         help="Override the preset's key bits.")
     parser.add_argument("--kv-value-bits", type=int, default=None, choices=(2, 3, 4),
