@@ -897,6 +897,31 @@ def test_queries_cover_the_whole_short_cache(L):
                                    atol=TOL * _magnitude(V))
 
 
+def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
+    # Sinks + window beyond MAX_TAIL_TOKENS: the decode step attends to them apart and
+    # merges (no tail); the result still matches mlx's attention on the cache contents.
+    import turboquant_mlx.cache as tq_cache
+
+    tails = []
+    op = tq_cache.ops.compressed_attention
+
+    def spy(*args, **kwargs):
+        tails.append(kwargs.get("tail_k"))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    rng = np.random.default_rng(12)
+    window = tq_cache.MAX_TAIL_TOKENS
+    cache, K, V = _filled(rng, [400, 1, 1], B=1, H=2, D=64, center=True,
+                          fp16_sink_tokens=2, fp16_recent_tokens=window)
+    q = _rand(rng, (1, 4, 1, 64))
+    tails.clear()
+    got = cache.attention(q, 0.2, "causal")
+    assert tails == [None]  # 2 + 256 fp16 tokens: more than the op's tail takes
+    want = _expected(q, K, V, 0.2, "causal")
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
+
+
 def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
     # A decode step keeps its tail (sinks and window) in code space; the window token
     # that leaves at the next step is quantized from it instead of transformed again.
