@@ -922,6 +922,32 @@ def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
     np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
 
 
+def test_sinks_only_tail_is_transformed_once(monkeypatch):
+    # Without a window the tail is the sinks, the same tokens at every step: the step
+    # reuses the previous step's code-space tail and transforms only the queries.
+    import turboquant_mlx.cache as tq_cache
+
+    tails = []
+    op = tq_cache.ops.compressed_attention
+
+    def spy(*args, **kwargs):
+        tails.append(kwargs.get("tail_k"))
+        return op(*args, **kwargs)
+
+    rng = np.random.default_rng(21)
+    cache, K, V = _filled(rng, [40], B=1, H=2, D=64, center=True, fp16_sink_tokens=4)
+    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    for _ in range(3):
+        k, v = _rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64))
+        cache.update_and_fetch(k, v)
+        q = _rand(rng, (1, 4, 1, 64))
+        got = cache.attention(q, 0.2, "causal")
+        K, V = cache.dequantized_keys_values(mx.float32)
+        want = _expected(q, K, V, 0.2, "causal")
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
+    assert tails[0].shape[2] == 4 and tails[1] is tails[0] and tails[2] is tails[0]
+
+
 def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
     # A decode step keeps its tail (sinks and window) in code space; the window token
     # that leaves at the next step is quantized from it instead of transformed again.

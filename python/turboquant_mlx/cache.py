@@ -937,13 +937,24 @@ class TurboQuantKVCache(_BaseCache):
         else:
             op_mask = self._segment_mask(mask, S, c, q0, L)
         signs, matrix, rot_scale = self._rotation.params()
-        q_codes, tail_k, tail_v = _fused_decode_inputs(
-            queries, self._key_scale, signs, matrix, rot_scale,
-            _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-            dense_k, dense_v,
-        )
-        if tail_k is not None:
-            self._code_tail = (tail_k, tail_v, ns, wpos)
+        n_win = sum(k.shape[2] for k in dense_k) - ns
+        ct = self._code_tail
+        if dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
+                n_win == 0 or ct[3] == wpos):
+            # The same tokens as the last step's tail (sinks only, as without a window):
+            # only the queries need the transform.
+            tail_k, tail_v = ct[0], ct[1]
+            q_codes = _fused_queries_to_codes(
+                queries, self._key_scale, signs, matrix, rot_scale,
+                _half_queries_on_gpu(queries.dtype))
+        else:
+            q_codes, tail_k, tail_v = _fused_decode_inputs(
+                queries, self._key_scale, signs, matrix, rot_scale,
+                _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
+                dense_k, dense_v,
+            )
+            if tail_k is not None:
+                self._code_tail = (tail_k, tail_v, ns, wpos)
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
