@@ -45,7 +45,6 @@ Usage:
 """
 
 import argparse
-import dataclasses
 import gc
 import re
 import statistics

@@ -26,7 +26,7 @@ import tempfile
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant_mlx.cache import TurboQuantKVCache, get_preset
+from turboquant_mlx.cache import PRESETS, TurboQuantKVCache, get_preset
 
 VIEWS = {"Slice", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose"}
 
@@ -35,7 +35,7 @@ def make_cache(name):
     if name == "fp16":
         return KVCache()
     m = re.fullmatch(r"k(\d)v(\d)", name)
-    if m and name != "k4v3":  # k4v3 is a preset
+    if m and name not in PRESETS:  # preset names first, as in bench_decode.py
         return TurboQuantKVCache(int(m.group(1)), int(m.group(2)))
     return TurboQuantKVCache(**get_preset(name).layer_configs(2)[1])
 

@@ -16,6 +16,8 @@ namespace tq = turboquant_mlx;
 NB_MODULE(_ext, m) {
   m.doc() = "TurboQuant compressed KV-cache primitives for MLX (rotated space).";
 
+  m.attr("MAX_TAIL_TOKENS") = TQ_MAX_TAIL; // most tail tokens compressed_attention takes
+
   m.def("words_per_token", &tq::words_per_token, "head_dim"_a, "bits"_a,
         "32-bit words one token of `head_dim` coordinates takes at `bits` bits.");
 

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "metal/tq_params.h"
 #include "primitives.h"
 
 namespace turboquant_mlx::gpu {
@@ -33,5 +34,34 @@ void dequantize(
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
+
+/// Arguments of the split-K merge over the query rows of `q` (B, Hq, L, D) with
+/// `splits` partials each, and of the tail when the attention op has one (its last two
+/// inputs, (B, Hkv, T, D)). Shared by the backends' `attention`.
+inline TQMergeParams merge_params(
+    const mx::array& q,
+    const AttentionParams& ap,
+    const std::vector<mx::array>& inputs,
+    int kv_heads,
+    int splits) {
+  TQMergeParams mp{};
+  mp.rows = q.shape(0) * q.shape(1) * q.shape(2);
+  mp.n_splits = splits;
+  mp.q_heads = q.shape(1);
+  mp.q_len = q.shape(2);
+  mp.gqa = q.shape(1) / kv_heads;
+  mp.scale_log2 = ap.scale * 1.4426950408889634f;
+  if (ap.has_tail) {
+    const auto& tk = inputs[inputs.size() - 2];
+    const auto& tv = inputs.back();
+    for (int a = 0; a < 3; ++a) {
+      mp.q_stride[a] = q.strides()[a];
+      mp.tk_stride[a] = tk.strides()[a];
+      mp.tv_stride[a] = tv.strides()[a];
+    }
+    mp.tail_len = tk.shape(2);
+  }
+  return mp;
+}
 
 } // namespace turboquant_mlx::gpu

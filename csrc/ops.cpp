@@ -299,7 +299,6 @@ std::vector<mx::array> compressed_attention(
   if (tail_k.has_value() != tail_v.has_value()) {
     fail(op, "tail_k and tail_v must be given together.");
   }
-  const bool has_tail = tail_k.has_value() && tail_k->ndim() == 4 && tail_k->shape(2) > 0;
   if (tail_k) {
     auto want = mx::Shape{batch, n_kv_heads, tail_k->ndim() == 4 ? tail_k->shape(2) : -1, head_dim};
     for (auto* t : {&*tail_k, &*tail_v}) {
@@ -320,6 +319,7 @@ std::vector<mx::array> compressed_attention(
       fail(op, "the tail holds at most ", TQ_MAX_TAIL, " tokens, got ", want[2], ".");
     }
   }
+  const bool has_tail = tail_k && tail_k->shape(2) > 0; // an empty tail is no tail
   AttentionParams params{
       kv_len, scale, key_bits, value_bits, causal, mask.has_value(), false, has_tail};
   if (mask) {

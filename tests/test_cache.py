@@ -263,6 +263,22 @@ def test_attention_matches_reference(layout, L):
     )
 
 
+def _record_op_tails(monkeypatch):
+    """A list that receives the ``tail_k`` (or None) of every compressed_attention call
+    the cache makes from now on."""
+    import turboquant_mlx.cache as tq_cache
+
+    tails = []
+    op = tq_cache.ops.compressed_attention
+
+    def spy(*args, **kwargs):
+        tails.append(kwargs.get("tail_k"))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    return tails
+
+
 @pytest.mark.parametrize("D", [64, 160], ids=["hadamard", "dense-rotation"])
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
                          ids=["plain", "window", "levers-sink", "levers-sink-window"])
@@ -271,14 +287,7 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
     # give what the eager functions give, and both what mlx's attention gives.
     import turboquant_mlx.cache as tq_cache
 
-    tails = []
-    op = tq_cache.ops.compressed_attention
-
-    def spy(*args, **kwargs):
-        tails.append(None if kwargs.get("tail_k") is None else kwargs["tail_k"].shape[2])
-        return op(*args, **kwargs)
-
-    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    tails = _record_op_tails(monkeypatch)
     rng = np.random.default_rng(D)
     cache, K, V = _filled(rng, [37, 1, 5, 1, 20], B=1, H=2, D=D, **layout)
     for L in (1, 4):
@@ -291,7 +300,8 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
         dense = layout.get("fp16_sink_tokens", 0) + (
             min(layout.get("fp16_recent_tokens", 0), cache.offset) if L == 1 else 0)
         in_window = L > 1 and layout.get("fp16_recent_tokens", 0) > 0
-        assert tails == [None if in_window or dense == 0 else dense], tails
+        lengths = [None if t is None else t.shape[2] for t in tails]
+        assert lengths == [None if in_window or dense == 0 else dense], lengths
         monkeypatch.setattr(tq_cache, "_COMPILE", False)
         eager = np.array(cache.attention(q, 0.2, "causal"))
         np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))
@@ -902,14 +912,7 @@ def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
     # merges (no tail); the result still matches mlx's attention on the cache contents.
     import turboquant_mlx.cache as tq_cache
 
-    tails = []
-    op = tq_cache.ops.compressed_attention
-
-    def spy(*args, **kwargs):
-        tails.append(kwargs.get("tail_k"))
-        return op(*args, **kwargs)
-
-    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    tails = _record_op_tails(monkeypatch)
     rng = np.random.default_rng(12)
     window = tq_cache.MAX_TAIL_TOKENS
     cache, K, V = _filled(rng, [400, 1, 1], B=1, H=2, D=64, center=True,
@@ -925,18 +928,9 @@ def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
 def test_sinks_only_tail_is_transformed_once(monkeypatch):
     # Without a window the tail is the sinks, the same tokens at every step: the step
     # reuses the previous step's code-space tail and transforms only the queries.
-    import turboquant_mlx.cache as tq_cache
-
-    tails = []
-    op = tq_cache.ops.compressed_attention
-
-    def spy(*args, **kwargs):
-        tails.append(kwargs.get("tail_k"))
-        return op(*args, **kwargs)
-
     rng = np.random.default_rng(21)
     cache, K, V = _filled(rng, [40], B=1, H=2, D=64, center=True, fp16_sink_tokens=4)
-    monkeypatch.setattr(tq_cache.ops, "compressed_attention", spy)
+    tails = _record_op_tails(monkeypatch)
     for _ in range(3):
         k, v = _rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64))
         cache.update_and_fetch(k, v)

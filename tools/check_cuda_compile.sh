@@ -23,7 +23,7 @@ compile() {
   log="$out/$name.log"
   if "$nvcc" -std=c++20 -O3 --expt-relaxed-constexpr -diag-suppress=997,20012 \
       -gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80 \
-      -Xptxas -warn-spills -I"$root/csrc" -I"$root/csrc/cuda" -I"$root/csrc/cuda/compat" \
+      -Xptxas -warn-spills -I"$root" -I"$root/csrc" -I"$root/csrc/cuda" -I"$root/csrc/cuda/compat" \
       -I"$root/metal" -I"$mlx_inc" -c "$f" -o "$out/$name.o" >"$log" 2>&1; then
     if grep -q "spill" "$log"; then
       echo "FAIL (spills) csrc/cuda/$name.cu"; cat "$log"; return 1

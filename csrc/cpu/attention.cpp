@@ -222,10 +222,7 @@ void attention_impl(
         continue;
       }
       float sum = 0.0f;
-      for (int c = 0; c <= n_chunks; ++c) {
-        if (c == n_chunks && !tail) {
-          break;
-        }
+      for (int c = 0; c < n_chunks + (tail ? 1 : 0); ++c) {
         const Partial& part = c < n_chunks ? partials[bh * n_chunks + c] : *tail;
         if (part.max[r] == kNegInf) {
           continue;

@@ -538,24 +538,12 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    TQMergeParams mp{};
-    mp.rows = rows_total;
-    mp.n_splits = splits;
-    mp.q_heads = Hq;
-    mp.q_len = L;
-    mp.gqa = Hq / Hkv;
-    mp.scale_log2 = p.scale_log2;
+    TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
     const float* tkp = nullptr;
     const float* tvp = nullptr;
     if (ap.has_tail) {
       const auto& tk = inputs[inputs.size() - 2];
       const auto& tv = inputs.back();
-      for (int a = 0; a < 3; ++a) {
-        mp.q_stride[a] = q.strides()[a];
-        mp.tk_stride[a] = tk.strides()[a];
-        mp.tv_stride[a] = tv.strides()[a];
-      }
-      mp.tail_len = tk.shape(2);
       enc.set_input_array(tk);
       enc.set_input_array(tv);
       tkp = cptr<float>(tk);

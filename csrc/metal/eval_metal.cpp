@@ -334,13 +334,7 @@ void attention(
       MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
 
   if (partials) {
-    TQMergeParams mp{};
-    mp.rows = rows_total;
-    mp.n_splits = splits;
-    mp.q_heads = Hq;
-    mp.q_len = L;
-    mp.gqa = Hq / Hkv;
-    mp.scale_log2 = p.scale_log2;
+    const TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
     std::ostringstream merge;
     merge << "tq_attention_merge_" << type_name(q.dtype()) << "_d" << D;
     enc.set_compute_pipeline_state(get_kernel(d, merge.str()));
@@ -348,16 +342,8 @@ void attention(
     enc.set_input_array(ml_part, 1);
     enc.set_input_array(q, 2);
     if (ap.has_tail) {
-      const auto& tk = inputs[inputs.size() - 2];
-      const auto& tv = inputs.back();
-      for (int a = 0; a < 3; ++a) {
-        mp.q_stride[a] = q.strides()[a];
-        mp.tk_stride[a] = tk.strides()[a];
-        mp.tv_stride[a] = tv.strides()[a];
-      }
-      mp.tail_len = tk.shape(2);
-      enc.set_input_array(tk, 3);
-      enc.set_input_array(tv, 4);
+      enc.set_input_array(inputs[inputs.size() - 2], 3);
+      enc.set_input_array(inputs.back(), 4);
     } else {
       // Without a tail, slots 3-4 are bound to the partials and never read.
       enc.set_input_array(o_part, 3);

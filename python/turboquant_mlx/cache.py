@@ -875,7 +875,7 @@ class TurboQuantKVCache(_BaseCache):
         L = queries.shape[2]
         q0 = self.offset - L
         S = self.fp16_sink_tokens
-        _, c, wpos = self._layout()
+        ns, c, wpos = self._layout()
         # The usual decode step: the compressed tokens and fp16 segments (sinks, window)
         # that every query sees whole. Up to MAX_TAIL_TOKENS of the latter go into the
         # attention op as its tail (one call); longer ones are attended to apart, and
@@ -890,7 +890,10 @@ class TurboQuantKVCache(_BaseCache):
             # Without a tail, a row whose keys are all masked must stay 0: mu_v is only
             # added where a row saw a key (the general path checks).
             if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
-                return self._attend_decode_with_tail(queries, scale, mask, dense_k, dense_v)
+                return self._attend_decode_with_tail(
+                    queries, scale, *self._op_mask(mask, c, wpos, q0, L), ns, c, wpos,
+                    dense_k, dense_v,
+                )
             parts = []
         else:
             parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
@@ -904,11 +907,7 @@ class TurboQuantKVCache(_BaseCache):
             )
             parts.append(self._compressed_result(out, lse, queries, scale))
         elif c > 0:
-            causal, op_mask = False, None
-            if isinstance(mask, str) and wpos == self.offset:
-                causal = True  # the queries are the last tokens of the compressed segment
-            else:
-                op_mask = self._segment_mask(mask, S, c, q0, L)
+            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
             out, lse = ops.compressed_attention(
                 self._compressed_queries(queries, fused=fused),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
@@ -924,18 +923,18 @@ class TurboQuantKVCache(_BaseCache):
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
 
-    def _attend_decode_with_tail(self, queries, scale, mask, dense_k, dense_v):
-        """A decode step as one attention call: the fp16 segments (possibly none),
-        which every query sees whole, join the compressed tokens as the op's tail."""
-        L = queries.shape[2]
-        q0 = self.offset - L
-        S = self.fp16_sink_tokens
-        ns, c, wpos = self._layout()
-        causal, op_mask = False, None
+    def _op_mask(self, mask, c: int, wpos: int, q0: int, L: int):
+        """``(causal, mask)`` for the op over the ``c`` compressed tokens, queries at
+        positions ``[q0, q0 + L)``."""
         if isinstance(mask, str) and wpos == self.offset:
-            causal = True  # the queries are the last tokens of the compressed segment
-        else:
-            op_mask = self._segment_mask(mask, S, c, q0, L)
+            return True, None  # the queries are the last tokens of the compressed segment
+        return False, self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L)
+
+    def _attend_decode_with_tail(self, queries, scale, causal, op_mask, ns, c, wpos,
+                                 dense_k, dense_v):
+        """A decode step as one attention call: the fp16 segments (possibly none; sinks
+        first, ``ns`` of them, then the window from ``wpos``), which every query sees
+        whole, join the ``c`` compressed tokens as the op's tail."""
         signs, matrix, rot_scale = self._rotation.params()
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail

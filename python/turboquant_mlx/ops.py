@@ -61,7 +61,7 @@ def quantize_append(
 
 
 # Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
-MAX_TAIL_TOKENS = 256
+MAX_TAIL_TOKENS = _ext.MAX_TAIL_TOKENS
 
 
 def compressed_attention(
