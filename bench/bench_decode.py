@@ -182,7 +182,9 @@ def kv_bytes(caches):
 
 def time_decode(model, caches, a):
     """Step times of ``a.warmup`` untimed then ``a.steps`` timed decode steps, the
-    peak memory over the timed ones, and whether the last logits are finite.
+    peak memory over the timed ones, whether the last logits are finite, and the
+    compressed-cache buffer copies per timed step (an append that cannot reuse its
+    buffer copies all of it: see csrc/buffer_copies.h).
 
     By default the steps run as mlx-lm's ``generate_step`` runs them: the next
     step's graph is built (Python, the caches' bookkeeping) while the GPU computes
@@ -224,11 +226,13 @@ def time_decode(model, caches, a):
     run(a.warmup)
     mx.synchronize()
     mx.reset_peak_memory()
+    copies = _ext.buffer_copies()
     times, logits = run(a.steps)
     mx.synchronize()
+    copies = _ext.buffer_copies() - copies
     peak = mx.get_peak_memory()
     finite = bool(mx.isfinite(logits.astype(mx.float32)).all().item())
-    return times, peak, finite
+    return times, peak, finite, copies / a.steps
 
 
 def main(argv=None):
@@ -254,8 +258,8 @@ def main(argv=None):
           f"warm-up + {a.steps} timed steps, median", flush=True)
 
     rows = []
-    header = ("| context | cache | KV GiB | KV / fp16 | decode tok/s | ms/token | × fp16 | peak GiB |\n"
-              "|---:|---|---:|---:|---:|---:|---:|---:|")
+    header = ("| context | cache | KV GiB | KV / fp16 | decode tok/s | ms/token | × fp16 | peak GiB "
+              "| buffer copies/step |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     print("\n" + header, flush=True)
     for ctx in contexts:
         label = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
@@ -274,11 +278,12 @@ def main(argv=None):
         times = {name: [] for name in held}
         peaks = {name: float("inf") for name in held}
         finite = {name: True for name in held}
+        copies = {name: 0.0 for name in held}
         order = list(held)
         for r in range(a.rounds):
             for name in order[r % len(order):] + order[: r % len(order)]:
                 try:
-                    t, peak, ok = time_decode(model, held[name], a)
+                    t, peak, ok, cp = time_decode(model, held[name], a)
                 except Exception as e:
                     errors[name] = e
                     continue
@@ -289,11 +294,12 @@ def main(argv=None):
                 others = sum(kv_bytes(c) for n, c in held.items() if n != name)
                 peaks[name] = min(peaks[name], peak - others)
                 finite[name] &= ok
+                copies[name] = max(copies[name], cp)
         base = base_bytes = None
         for name in names:
             if name in errors or not times.get(name):
                 e = errors.get(name)
-                row = f"| {label} | {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | |"
+                row = f"| {label} | {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | | |"
                 print(row, flush=True)
                 rows.append(row)
                 continue
@@ -306,7 +312,7 @@ def main(argv=None):
             ratio = f"{base / med:.2f}" if base else "–"
             bratio = f"{nbytes / base_bytes:.3f}" if base_bytes else "–"
             row = (f"| {label} | {name} | {nbytes / GiB:.3f} | {bratio} | {1 / med:.1f} | "
-                   f"{med * 1e3:.2f} | {ratio} | {peaks[name] / GiB:.2f} |"
+                   f"{med * 1e3:.2f} | {ratio} | {peaks[name] / GiB:.2f} | {copies[name]:.1f} |"
                    + ("" if finite[name] else " non-finite logits"))
             print(row + f"  <!-- fill {t_fill[name]:.1f} s, best {best * 1e3:.2f} ms -->",
                   flush=True)
