@@ -970,3 +970,49 @@ def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
     assert attending._n_comp == storing._n_comp == 40 + 12 - 4 - 8
     for a, b in zip(attending.state, storing.state):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+def test_ring_decode_equals_rebuilding_the_tail(monkeypatch):
+    # Single-token steps keep the tail as a ring (the new token takes the leaving
+    # token's slot) and append to the window in place. Over several wraps of the ring
+    # and rebuilds of the window buffer, every output, the codes and the window must be
+    # those of a cache that rebuilds its tail from the fp16 window at every step.
+    import turboquant_mlx.cache as tq_cache
+
+    cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
+               calibration_tokens=16, seed=5)
+    rng = np.random.default_rng(31)
+    B, H, D = 1, 2, 64
+    ring, rebuild = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
+    k, v = _rand(rng, (B, H, 30, D)), _rand(rng, (B, H, 30, D))
+    q = _rand(rng, (B, 2 * H, 30, D))
+    for c in (ring, rebuild):
+        c.update_and_fetch(k, v)
+        c.attention(q, 0.125, "causal")
+    tails = _record_op_tails(monkeypatch)
+    steps = 3 * TurboQuantKVCache.window_slack // 2
+    for step in range(steps):
+        k, v = _rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D))
+        q = _rand(rng, (B, 2 * H, 1, D))
+        rebuild._drop_code_space()
+        outs = []
+        for c in (ring, rebuild):
+            c.update_and_fetch(k, v)
+            outs.append(np.array(c.attention(q, 0.125, "causal")))
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"step {step}")
+        K, V = rebuild.dequantized_keys_values(mx.float32)
+        np.testing.assert_allclose(outs[1], np.array(_expected(q, K, V, 0.125, "causal")),
+                                   atol=TOL * _magnitude(V))
+    for a, b in zip(ring.state, rebuild.state):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert all(t.shape[2] == 3 + 8 for t in tails)  # sinks + window, every step
+    # Ring steps concatenate nothing but the window buffer's rebuilds (keys and values,
+    # once every window_slack steps).
+    concatenations = []
+    concatenate = mx.concatenate
+    monkeypatch.setattr(mx, "concatenate", lambda *a, **kw: concatenations.append(1) or
+                        concatenate(*a, **kw))
+    for _ in range(TurboQuantKVCache.window_slack):
+        ring.update_and_fetch(_rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D)))
+        ring.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
+    assert len(concatenations) == 2

@@ -67,6 +67,7 @@ replaces only plain full-attention ``KVCache`` entries: linear-attention state
 layers are kept as they are.
 """
 
+import collections
 import dataclasses
 import math
 import os
@@ -411,15 +412,36 @@ class TurboQuantKVCache(_BaseCache):
         # The last prefill block as it arrived: (keys, values, first position), until
         # the attention call that follows it (see update_and_fetch).
         self._fresh = None
-        # The last decode step's tail in code space and where it lies: (keys, values,
-        # sink count, window start). A window token leaving for the compressed segment
-        # is quantized from it instead of transformed again.
-        self._code_tail = None
+        self._drop_code_space()
+        # The window's buffer (model space): (keys, values, first used slot, the view
+        # of it that _win_k holds), or None. Decode steps write their token into it in
+        # place instead of concatenating the window (see _window_append).
+        self._win_buf = None
+        # The last single-token update as it arrived: (keys, values, position).
+        self._new_token = None
         # Calibration of the levers (module docstring); None means identity.
         self._calibrated = not (self.center or self.query_aware_keys)
         self._mu_k = self._mu_v = self._key_scale = None
         self._q_energy = None  # (B, H_kv, D) float32: sum of q^2 seen before calibration
         self._q_count = 0  # number of query vectors in _q_energy
+
+    def _drop_code_space(self):
+        """Forgets the window tokens kept in code space (after anything that changes
+        which tokens the window holds or how they are transformed)."""
+        # The tail of the last decode step that built one: (keys, values, sink count,
+        # window start), in code space (centered, scaled, rotated). A window token
+        # leaving for the compressed segment is quantized from it instead of being
+        # transformed again.
+        self._code_tail = None
+        # Single-token decode steps keep the tail as a ring: (keys, values, base,
+        # position), sinks in the first slots, window position p in slot
+        # ns + (p - base) % fp16_recent_tokens, in sync while the cache holds
+        # `position` tokens. Each step overwrites the slot of the token that leaves
+        # the window with the new one, so the tail is never concatenated again.
+        self._ring = None
+        # (position, key, value) in code space of the tokens the ring steps added, for
+        # their quantization when they leave the window.
+        self._ring_tokens = collections.deque(maxlen=self.fp16_recent_tokens + 1)
 
     @property
     def calibrated(self) -> bool:
@@ -606,7 +628,7 @@ class TurboQuantKVCache(_BaseCache):
                     self._q_energy / self._q_count, mx.mean(k * k, axis=2)
                 )
         self._calibrated = True
-        self._code_tail = None
+        self._drop_code_space()
         self._q_energy, self._q_count = None, 0
         self._win_k = self._win_v = None
         self._win_start = S
@@ -665,6 +687,7 @@ class TurboQuantKVCache(_BaseCache):
         # (<= decode_max_queries tokens) see the cache as stored. The reference is
         # dropped by the next update or trim.
         self._fresh = (keys, values, P) if L > self.decode_max_queries else None
+        self._new_token = (keys, values, P) if L == 1 else None
         return given
 
     def _store(self, rk: mx.array, rv: mx.array, P: int):
@@ -705,19 +728,63 @@ class TurboQuantKVCache(_BaseCache):
             else:
                 self._quantize(*span(first, end))
         keep_from = max(self._win_start, P + n - self._window_capacity)
-        wk, wv = span(keep_from, P + n)
-        self._win_k, self._win_v = mx.contiguous(wk), mx.contiguous(wv)
+        drop = keep_from - self._win_start
+        if n <= self.decode_max_queries and 0 < held and drop <= held:
+            self._window_append(rk, rv, drop)
+        else:
+            wk, wv = span(keep_from, P + n)
+            self._win_k, self._win_v = mx.contiguous(wk), mx.contiguous(wv)
+            self._win_buf = None
         self._win_start = keep_from
+
+    window_slack = 64  # free slots after the window in its buffer (see _window_append)
+
+    def _window_append(self, rk: mx.array, rv: mx.array, drop: int):
+        """Appends decode-sized ``rk``/``rv`` to the window and drops its first ``drop``
+        tokens. The window is a view of a buffer with ``window_slack`` free slots
+        after it: the new tokens are written into them in place (MLX reuses the buffer
+        when nothing else holds it), and the buffer is rebuilt when they run out."""
+        held = self._win_k.shape[2]
+        n = rk.shape[2]
+        buf = self._win_buf
+        if buf is not None and buf[3] is self._win_k and buf[2] + held + n <= buf[0].shape[2]:
+            bk, bv, lo = buf[0], buf[1], buf[2]
+            # Only the buffer may refer to it when the update runs, or MLX copies it.
+            buf = self._win_buf = None
+            self._win_k = self._win_v = None
+            bk[:, :, lo + held : lo + held + n] = rk
+            bv[:, :, lo + held : lo + held + n] = rv
+            lo += drop
+        else:
+            B, H, _, D = rk.shape
+            pad = mx.zeros((B, H, self.window_slack, D), dtype=rk.dtype)
+            bk = mx.concatenate([self._win_k[:, :, drop:], rk, pad], axis=2)
+            bv = mx.concatenate([self._win_v[:, :, drop:], rv, pad], axis=2)
+            lo = 0
+            # A decode step whose tail comes from the ring does not read the window,
+            # so its in-place writes would pile up unevaluated (each holding its
+            # token) until something reads it: evaluate them with each rebuild.
+            mx.async_eval(bk, bv)
+        size = held + n - drop
+        self._win_k, self._win_v = bk[:, :, lo : lo + size], bv[:, :, lo : lo + size]
+        self._win_buf = (bk, bv, lo, self._win_k)
 
     def _code_tail_span(self, a: int, b: int):
         """Window positions ``[a, b)`` in code space from the last decode step's tail,
         or None where it does not hold them."""
+        if b - a == 1:
+            for p, k, v in self._ring_tokens:
+                if p == a:
+                    return k, v
         if self._code_tail is None:
             return None
-        tk, tv, ns, wpos = self._code_tail
-        if not (wpos <= a and b <= wpos + tk.shape[2] - ns):
+        tk, tv, ns, wpos, roll = self._code_tail
+        n_win = tk.shape[2] - ns
+        if not (wpos <= a and b <= wpos + n_win):
             return None
-        i = ns + a - wpos
+        i = ns + (a - wpos + roll) % max(n_win, 1)
+        if i + b - a > tk.shape[2]:
+            return None  # the span wraps around the ring's end
         return tk[:, :, i : i + b - a], tv[:, :, i : i + b - a]
 
     def _layout(self):
@@ -938,8 +1005,28 @@ class TurboQuantKVCache(_BaseCache):
         signs, matrix, rot_scale = self._rotation.params()
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail
-        if dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
-                n_win == 0 or ct[3] == wpos):
+        R = self.fp16_recent_tokens
+        ring, new = self._ring, self._new_token
+        P = self.offset - 1  # the new token's position, when one token arrived
+        if (ring is not None and new is not None and new[2] == P and ring[3] == P
+                and n_win == R and queries.shape[2] == 1):
+            # The ring holds the sinks and the window before this token: the new token
+            # takes the slot of the one that just left the window (quantized by
+            # update_and_fetch from its code-space copy).
+            tail_k, tail_v, base = ring[0], ring[1], ring[2]
+            self._ring = ring = None  # only the ring may hold it, or MLX copies it
+            q_codes, k_new, v_new = _fused_decode_inputs(
+                queries, self._key_scale, signs, matrix, rot_scale,
+                _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
+                [new[0]], [new[1]],
+            )
+            slot = ns + (P - base) % R
+            tail_k[:, :, slot : slot + 1] = k_new
+            tail_v[:, :, slot : slot + 1] = v_new
+            self._ring = (tail_k, tail_v, base, P + 1)
+            self._ring_tokens.append((P, k_new, v_new))
+        elif dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
+                n_win == 0 or (ct[3] == wpos and ct[4] == 0)):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
             tail_k, tail_v = ct[0], ct[1]
@@ -947,13 +1034,33 @@ class TurboQuantKVCache(_BaseCache):
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype))
         else:
+            # A full window goes in in ring order (position p at slot
+            # ns + (p - sinks) % R), whatever the step: the tail is then the same
+            # array, and its sums are added in the same order, whether a ring step
+            # or this one produced it (e.g. after a trim).
+            roll = (wpos - self.fp16_sink_tokens) % R if R and n_win == R else 0
+            if roll:
+                dense_k = dense_k[:-1] + [dense_k[-1][:, :, R - roll :], dense_k[-1][:, :, : R - roll]]
+                dense_v = dense_v[:-1] + [dense_v[-1][:, :, R - roll :], dense_v[-1][:, :, : R - roll]]
+            # Concatenated before the compiled transform, which then fuses the same way
+            # as for a ring step's single token: the same token gets the same bits.
+            if len(dense_k) > 1:
+                dense_k = [mx.concatenate(dense_k, axis=2)]
+                dense_v = [mx.concatenate(dense_v, axis=2)]
             q_codes, tail_k, tail_v = _fused_decode_inputs(
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
                 dense_k, dense_v,
             )
             if tail_k is not None:
-                self._code_tail = (tail_k, tail_v, ns, wpos)
+                self._code_tail = (tail_k, tail_v, ns, wpos, roll)
+                if roll or (R and n_win == R):
+                    # Start a ring from this tail; it is in sync while the cache holds
+                    # `offset` tokens.
+                    # (Handles of their own: a ring step's in-place write must not
+                    # change what _code_tail holds.)
+                    self._ring = (tail_k[...], tail_v[...], self.fp16_sink_tokens, self.offset)
+                    self._ring_tokens.clear()
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
@@ -1118,7 +1225,8 @@ class TurboQuantKVCache(_BaseCache):
         if n == 0:
             return 0
         self._fresh = None
-        self._code_tail = None
+        self._new_token = None
+        self._drop_code_space()
         new = self.offset - n
         S = self.fp16_sink_tokens
         if self._sink_k is not None and new < self._sink_k.shape[2]:
@@ -1288,7 +1396,7 @@ class TurboQuantKVCache(_BaseCache):
         self._config_set = True
 
     def _set_arrays(self, arrays):
-        self._code_tail = None
+        self._drop_code_space()
         arrays = list(arrays) + [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
         kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
             None if _is_empty(a) else a for a in arrays
