@@ -118,7 +118,9 @@ def random_cache(b, h, n, d, bits):
     return codes, scales
 
 
-def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False):
+def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False, tail=0):
+    """``tail``: uncompressed tokens (float32, as the presets' sinks and window) passed
+    as the op's tail, seen by the split-K merge."""
     rot = Rotation(d, seed=0)
     kc_, vc_ = mx.array(codebook.lloyd_max_centroids(d, kb).astype(np.float32)), mx.array(
         codebook.lloyd_max_centroids(d, vb).astype(np.float32)
@@ -129,17 +131,19 @@ def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False):
         kc, ks = random_cache(b, hkv, n, d, kb)
         vc, vs = random_cache(b, hkv, n, d, vb)
         q = mx.random.normal((b, hq, 1, d)).astype(mx.float16)
-        mx.eval(kc, ks, vc, vs, q)
-        sets.append((q, kc, ks, vc, vs))
+        tk = mx.random.normal((b, hkv, tail, d)) if tail else None
+        tv = mx.random.normal((b, hkv, tail, d)) if tail else None
+        mx.eval(kc, ks, vc, vs, q, *([tk, tv] if tail else []))
+        sets.append((q, kc, ks, vc, vs, tk, tv))
     scale = 1.0 / math.sqrt(d)
 
     def make(s):
-        q, kc, ks, vc, vs = s
+        q, kc, ks, vc, vs, tk, tv = s
         if kernel_only:
             qr = rot.forward(q).astype(q.dtype)  # half queries: the tensor-core kernel
             mx.eval(qr)
             return lambda: ops.compressed_attention(
-                qr, kc, ks, vc, vs, kc_, vc_, n, scale, kb, vb, True
+                qr, kc, ks, vc, vs, kc_, vc_, n, scale, kb, vb, True, tail_k=tk, tail_v=tv
             )[0]
 
         def step():
@@ -214,6 +218,7 @@ def main():
     parser.add_argument("--lengths", default="4096,32768,131072,262144")
     parser.add_argument("--quick", action="store_true", help="D=128 shapes only")
     parser.add_argument("--no-affine", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
     parser.add_argument("--reps", type=int, default=REPS, help="calls timed alone (median)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of 16 queued calls")
     args = parser.parse_args()
@@ -247,6 +252,11 @@ def main():
                 if (kb, vb) == (4, 4):
                     (ke, kst), _ = bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=True)
                     rows.append((f"TurboQuant K{kb}V{vb} kernel only", ke, kst, tb))
+                    if d == 128:
+                        # tq4's decode step: 4 sinks + 32 window tokens as the op's tail
+                        (ke, kst), _ = bench_turboquant(b, hq, hkv, d, n, kb, vb,
+                                                        kernel_only=True, tail=36)
+                        rows.append((f"TurboQuant K{kb}V{vb} kernel + 36-token tail", ke, kst, tb))
             if not args.no_affine:
                 (ae, ast), ab = bench_affine(b, hq, hkv, d, n)
                 rows.append(("mlx-lm affine 4-bit g64", ae, ast, ab))
@@ -257,6 +267,8 @@ def main():
             mx.clear_cache()
         print()
 
+    if args.no_sweep:
+        return
     # Split-count sweep for the main shape (TURBOQUANT_ATTN_CTAS is read per call).
     print("### Split sweep, 32q/8kv d128 K4V4, kernel only (µs, stream)\n")
     targets = (264, 528, 1056, 2112)

@@ -61,7 +61,7 @@ step_quality() {
       { echo "joined GGUF: checksum mismatch"; rm -f "$gguf"; return 1; }
   fi
   run_step "quality${TQ_QUALITY_TAG:-}" "${TQ_QUALITY_TIMEOUT:-500}" python3 bench/quality.py --model "$gguf" \
-    --tokens-from .carry/tasks/smollm2_tasks.npz --markdown-out "$OUT/quality${TQ_QUALITY_TAG:-}.md" \
+    --tokens-from "${TQ_QUALITY_TOKENS:-.carry/tasks/smollm2_tasks.npz}" --markdown-out "$OUT/quality${TQ_QUALITY_TAG:-}.md" \
     ${TQ_QUALITY_ARGS:-}
   grep -E "^\[|Error|error" "$OUT/quality${TQ_QUALITY_TAG:-}.log" | tail -60
 }
