@@ -1016,3 +1016,9 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch):
         ring.update_and_fetch(_rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D)))
         ring.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
     assert len(concatenations) == 2
+    # nbytes counts the window's whole buffer and the code-space ring.
+    win_buffer = 2 * B * H * (ring._win_buf[0].shape[2]) * D * 2
+    ring_bytes = 2 * B * H * (3 + 8) * D * 4
+    assert ring._win_buf[0].shape[2] > ring._win_k.shape[2]
+    assert ring.nbytes >= ring.used_nbytes - ring._win_k.nbytes - ring._win_v.nbytes + (
+        win_buffer + ring_bytes)

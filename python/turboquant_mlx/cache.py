@@ -1247,12 +1247,24 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every buffer the cache holds (allocated capacity included)."""
+        """Bytes of every buffer the cache holds (allocated capacity included): the
+        compressed segment, the fp16 sinks and window (its whole buffer), the levers,
+        and the decode steps' code-space copies of the sinks and window."""
+        window = (self._win_k, self._win_v)
+        if self._win_buf is not None and self._win_buf[3] is self._win_k:
+            window = self._win_buf[:2]
         arrays = (
             self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-            self._sink_k, self._sink_v, self._win_k, self._win_v,
-        ) + self._lever_arrays()
-        return sum(a.nbytes for a in arrays if a is not None)
+            self._sink_k, self._sink_v,
+        ) + window + self._lever_arrays()
+        code_space = []
+        if self._code_tail is not None:
+            code_space += self._code_tail[:2]
+        if self._ring is not None:
+            code_space += self._ring[:2]
+        for _, k, v in self._ring_tokens:
+            code_space += [k, v]
+        return sum(a.nbytes for a in arrays + tuple(code_space) if a is not None)
 
     def _lever_arrays(self):
         return (self._mu_k, self._mu_v, self._key_scale, self._q_energy)
