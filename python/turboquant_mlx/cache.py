@@ -433,10 +433,10 @@ class TurboQuantKVCache(_BaseCache):
         # leaving for the compressed segment is quantized from it instead of being
         # transformed again.
         self._code_tail = None
-        # Single-token decode steps keep the tail as a ring: (keys, values, base,
-        # position), sinks in the first slots, window position p in slot
-        # ns + (p - base) % fp16_recent_tokens, in sync while the cache holds
-        # `position` tokens. Each step overwrites the slot of the token that leaves
+        # Single-token decode steps keep the tail as a ring: (keys, values, position),
+        # sinks in the first ns slots, window position p in slot
+        # ns + (p - fp16_sink_tokens) % fp16_recent_tokens, in sync while the cache
+        # holds `position` tokens. Each step overwrites the slot of the token that leaves
         # the window with the new one, so the tail is never concatenated again.
         self._ring = None
         # (position, key, value) in code space of the tokens the ring steps added, for
@@ -782,7 +782,7 @@ class TurboQuantKVCache(_BaseCache):
         n_win = tk.shape[2] - ns
         if not (wpos <= a and b <= wpos + n_win):
             return None
-        i = ns + (a - wpos + roll) % max(n_win, 1)
+        i = ns + (a - wpos + roll) % n_win
         if i + b - a > tk.shape[2]:
             return None  # the span wraps around the ring's end
         return tk[:, :, i : i + b - a], tv[:, :, i : i + b - a]
@@ -1008,22 +1008,22 @@ class TurboQuantKVCache(_BaseCache):
         R = self.fp16_recent_tokens
         ring, new = self._ring, self._new_token
         P = self.offset - 1  # the new token's position, when one token arrived
-        if (ring is not None and new is not None and new[2] == P and ring[3] == P
+        if (ring is not None and new is not None and new[2] == P and ring[2] == P
                 and n_win == R and queries.shape[2] == 1):
             # The ring holds the sinks and the window before this token: the new token
             # takes the slot of the one that just left the window (quantized by
             # update_and_fetch from its code-space copy).
-            tail_k, tail_v, base = ring[0], ring[1], ring[2]
+            tail_k, tail_v = ring[0], ring[1]
             self._ring = ring = None  # only the ring may hold it, or MLX copies it
             q_codes, k_new, v_new = _fused_decode_inputs(
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
                 [new[0]], [new[1]],
             )
-            slot = ns + (P - base) % R
+            slot = ns + (P - self.fp16_sink_tokens) % R
             tail_k[:, :, slot : slot + 1] = k_new
             tail_v[:, :, slot : slot + 1] = v_new
-            self._ring = (tail_k, tail_v, base, P + 1)
+            self._ring = (tail_k, tail_v, P + 1)
             self._ring_tokens.append((P, k_new, v_new))
         elif dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
                 n_win == 0 or (ct[3] == wpos and ct[4] == 0)):
@@ -1054,12 +1054,12 @@ class TurboQuantKVCache(_BaseCache):
             )
             if tail_k is not None:
                 self._code_tail = (tail_k, tail_v, ns, wpos, roll)
-                if roll or (R and n_win == R):
+                if R and n_win == R:
                     # Start a ring from this tail; it is in sync while the cache holds
                     # `offset` tokens.
                     # (Handles of their own: a ring step's in-place write must not
                     # change what _code_tail holds.)
-                    self._ring = (tail_k[...], tail_v[...], self.fp16_sink_tokens, self.offset)
+                    self._ring = (tail_k[...], tail_v[...], self.offset)
                     self._ring_tokens.clear()
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
