@@ -202,7 +202,7 @@ step_profile() {
   run_step profile "${TQ_PROFILE_TIMEOUT:-150}" ncu --kernel-name "${TQ_PROFILE_KERNEL:-regex:tq_attention_mma}" \
     --launch-skip 0 --launch-count 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
     python3 bench/attention_once.py ${TQ_PROFILE_ARGS:-}
   grep -v "^==PROF==" "$OUT/profile.log" | tail -150
 }

@@ -1,0 +1,183 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""Device time of one decode attention call, from Nsight Compute: compressed cache vs
+MLX's fp16 ``scaled_dot_product_attention``, with no host time in it.
+
+``bench_gpu.py`` times calls from Python; on MLX's CUDA backend those times include the
+host's graph building and launch (tens of µs per call, the same for every method), which
+at short contexts is most of what is measured. This script asks ``ncu`` for the GPU
+duration of every kernel a call launches (``gpu__time_duration``, L2 flushed before each
+kernel, clocks left alone) and sums them per call: the attention kernels' own time.
+
+    python bench/kernel_time.py                      # the driver: runs ncu, prints tables
+    python bench/kernel_time.py --one tq --context 131072 --kb 4 --vb 4   # (under ncu)
+
+The timed calls sit between cuProfilerStart/Stop, so warm-up launches are not counted.
+"""
+
+import argparse
+import csv
+import ctypes
+import io
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _profiler(start):
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+    if rc != 0:
+        print(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}", file=sys.stderr)
+
+
+def run_one(a):
+    """Builds one random problem, warms it up, then profiles `a.calls` calls."""
+    import mlx.core as mx
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    from bench_gpu import random_cache
+
+    from turboquant_mlx import codebook, ops
+
+    mx.set_default_device(mx.gpu)
+    n, d, hq, hkv = a.context, a.head_dim, a.q_heads, a.kv_heads
+    scale = 1.0 / math.sqrt(d)
+    q = mx.random.normal((1, hq, 1, d)).astype(mx.float16)
+    if a.one == "sdpa":
+        k = mx.random.normal((1, hkv, n, d)).astype(mx.float16)
+        v = mx.random.normal((1, hkv, n, d)).astype(mx.float16)
+        mx.eval(q, k, v)
+        call = lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
+    else:
+        kc, ks = random_cache(1, hkv, n, d, a.kb)
+        vc, vs = random_cache(1, hkv, n, d, a.vb)
+        kcent = mx.array(codebook.lloyd_max_centroids(d, a.kb).astype(np.float32))
+        vcent = mx.array(codebook.lloyd_max_centroids(d, a.vb).astype(np.float32))
+        tk = mx.random.normal((1, hkv, a.tail, d)) if a.tail else None
+        tv = mx.random.normal((1, hkv, a.tail, d)) if a.tail else None
+        mx.eval(q, kc, ks, vc, vs, kcent, vcent, *([tk, tv] if a.tail else []))
+
+        def call():
+            return ops.compressed_attention(
+                q, kc, ks, vc, vs, kcent, vcent, n, scale, a.kb, a.vb, True, tail_k=tk, tail_v=tv
+            )[0]
+
+    for _ in range(3):
+        mx.eval(call())
+    mx.synchronize()
+    _profiler(True)
+    for _ in range(a.calls):
+        mx.eval(call())
+        mx.synchronize()
+    _profiler(False)
+
+
+def ncu_call_time(args, calls):
+    """(µs per call, {kernel: µs per call}) of one `--one` configuration under ncu."""
+    cmd = [
+        "ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
+        "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
+        sys.executable, os.path.abspath(__file__), "--calls", str(calls), *args,
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith('"')]
+    if not rows:
+        raise RuntimeError(f"ncu gave no kernels for {args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    per_kernel = {}
+    for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = r["Kernel Name"].split("(")[0].split("<")[0].strip()
+        per_kernel.setdefault(name, []).append(float(r["Metric Value"].replace(",", "")) * 1e-3)
+    # launches per call x median duration, per kernel name
+    parts = {k: len(v) / calls * statistics.median(v) for k, v in per_kernel.items()}
+    return sum(parts.values()), parts
+
+
+def device_bandwidth():
+    """Read+write bytes per second of a 2 GiB device copy (torch, CUDA events)."""
+    try:
+        import torch
+
+        x = torch.empty(2**29, dtype=torch.float32, device="cuda").uniform_()
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(10):
+            s.record()
+            y.copy_(x)
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        bw = 2 * x.numel() * 4 / statistics.median(ts)
+        del x, y
+        torch.cuda.empty_cache()
+        return bw
+    except Exception as exc:  # torch is optional
+        print(f"(device bandwidth not measured: {exc})")
+        return None
+
+
+def driver(a):
+    bw = device_bandwidth()
+    print(f"Device copy bandwidth (torch, read+write): {bw / 1e12:.2f} TB/s" if bw else "")
+    lengths = [int(x) for x in a.lengths.split(",")]
+    pairs = [tuple(int(c) for c in p.split("v")) for p in a.bits.split(",")]
+    shapes = [(32, 8, 128)]
+    if a.d256:
+        shapes += [(16, 4, 256), (16, 2, 256)]
+    for hq, hkv, d in shapes:
+        shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
+        print(f"\n### Device time per call (ncu), B=1, {hq}q/{hkv}kv d{d}, one query token\n")
+        head = "| context | fp16 SDPA µs |" + "".join(
+            f" K{kb}V{vb} µs | × fp16 | % BW |" for kb, vb in pairs)
+        print(head)
+        print("|---:|---:|" + "---:|---:|---:|" * len(pairs))
+        for n in lengths:
+            t_sdpa, parts_sdpa = ncu_call_time(["--one", "sdpa", "--context", str(n), *shape], a.calls)
+            line = f"| {n // 1024}k | {t_sdpa:.1f} |"
+            details = [f"sdpa {parts_sdpa}"]
+            for kb, vb in pairs:
+                t, parts = ncu_call_time(
+                    ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
+                     "--tail", str(a.tail), *shape], a.calls)
+                nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
+                pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%" if bw else "–"
+                line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
+                details.append(f"K{kb}V{vb} " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+            print(line, flush=True)
+            for x in details:
+                print(f"    {n // 1024}k {x}", file=sys.stderr)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--one", choices=("sdpa", "tq"), help="run one configuration (under ncu)")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kb", type=int, default=4)
+    p.add_argument("--vb", type=int, default=4)
+    p.add_argument("--tail", type=int, default=0, help="uncompressed tail tokens (tq4: 36)")
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--lengths", default="4096,32768,131072,262144")
+    p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
+    p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")
+    a = p.parse_args()
+    if a.one:
+        run_one(a)
+    else:
+        driver(a)
+
+
+if __name__ == "__main__":
+    main()
