@@ -142,7 +142,11 @@ def driver(a):
         print(head)
         print("|---:|---:|" + "---:|---:|---:|" * len(pairs))
         for n in lengths:
-            t_sdpa, parts_sdpa = ncu_call_time(["--one", "sdpa", "--context", str(n), *shape], a.calls)
+            if a.no_sdpa:
+                t_sdpa, parts_sdpa = math.nan, {}
+            else:
+                t_sdpa, parts_sdpa = ncu_call_time(
+                    ["--one", "sdpa", "--context", str(n), *shape], a.calls)
             line = f"| {n // 1024}k | {t_sdpa:.1f} |"
             details = [f"sdpa {parts_sdpa}"]
             for kb, vb in pairs:
@@ -172,6 +176,7 @@ def main():
     p.add_argument("--lengths", default="4096,32768,131072,262144")
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
     p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")
+    p.add_argument("--no-sdpa", action="store_true", help="skip fp16 SDPA (ratios print nan)")
     a = p.parse_args()
     if a.one:
         run_one(a)

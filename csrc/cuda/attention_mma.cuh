@@ -38,6 +38,15 @@
 
 #include "tq_kernels.h" // tq_mask_value, tq_neg_inf, TQAttnParams
 
+// Launch-shape knobs for tuning builds (-DTURBOQUANT_MMA_TUNE="TQ_MMA_TILES=2;..." in
+// CMake); the defaults are the measured best on an H200.
+#ifndef TQ_MMA_TILES
+#define TQ_MMA_TILES 1 // 16-token tiles per warp iteration
+#endif
+#ifndef TQ_MMA_WARPS_4BIT
+#define TQ_MMA_WARPS_4BIT 12 // warps per block, 4-bit keys, head dim <= 128, one row block
+#endif
+
 namespace turboquant_mlx::cuda_kernels {
 
 /// Compile-time shape of the tensor-core kernel for head dim D and NRB blocks of 8 query
@@ -45,7 +54,7 @@ namespace turboquant_mlx::cuda_kernels {
 template <int D, int KB, int VB, int NRB>
 struct TQMmaConfig {
   static constexpr int KBLK = D / 16; // k-blocks of the score mma = m-blocks of the value mma
-  static constexpr int MT = 1; // 16-token tiles per warp iteration
+  static constexpr int MT = TQ_MMA_TILES; // 16-token tiles per warp iteration
   static constexpr int TILE = 16 * MT; // tokens per warp iteration
   // 4-bit keys: tables at a 64 KiB-aligned shared address (see tq_byte_addr), which
   // takes up to 128 KiB of shared memory: one block per SM, of 12 warps where 168
@@ -53,7 +62,7 @@ struct TQMmaConfig {
   // 128k-256k keys: 12 warps 15-17% faster than 8.) Otherwise blocks of 4 warps,
   // several per SM.
   static constexpr bool BYTE_ADDR = KB == 4;
-  static constexpr int WARPS = BYTE_ADDR ? (D <= 128 && NRB == 1 ? 12 : 8) : 4;
+  static constexpr int WARPS = BYTE_ADDR ? (D <= 128 && NRB == 1 ? TQ_MMA_WARPS_4BIT : 8) : 4;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STEP = WARPS * TILE; // tokens per block iteration
   static constexpr int ROWS = 8 * NRB;

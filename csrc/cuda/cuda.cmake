@@ -25,6 +25,15 @@ set(_tq_cuda_sources
     ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d256.cu
     ${CMAKE_CURRENT_LIST_DIR}/kernels_misc.cu)
 target_sources(turboquant_core PRIVATE ${_tq_cuda_sources})
+# Tuning builds: definitions for the tensor-core kernel's shape (see attention_mma.cuh),
+# applied only to the sources that include it, so that changing them rebuilds those.
+set(TURBOQUANT_MMA_TUNE "" CACHE STRING "definitions for the tensor-core kernel's shape")
+if(TURBOQUANT_MMA_TUNE)
+  set_source_files_properties(
+    ${CMAKE_CURRENT_LIST_DIR}/eval_cuda.cu ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d64.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d128.cu ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d256.cu
+    PROPERTIES COMPILE_DEFINITIONS "${TURBOQUANT_MMA_TUNE}")
+endif()
 set_source_files_properties(${_tq_cuda_sources} PROPERTIES LANGUAGE CUDA)
 set_target_properties(turboquant_core PROPERTIES
   CUDA_ARCHITECTURES "${TURBOQUANT_CUDA_ARCHITECTURES}"
