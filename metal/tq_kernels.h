@@ -480,6 +480,20 @@ TQ_FN void tq_attention_merge_impl(
   TQ_TG float* qs = tw + TQ_MAX_TAIL; // [D] the query row (tail only)
   TQ_TG float* red = qs + 256; // [2 * NSG]
 
+  // The first PRE partials of this thread's coordinates are loaded now, so that their
+  // latency overlaps the tail scores and the weights instead of following them.
+  constexpr int PRE = 16, DPT = (D + NT - 1) / NT;
+  const TQ_DEV float* op = o_part + int64_t(row) * S * D;
+  float pre[DPT][PRE];
+  TQ_UNROLL
+  for (int k = 0; k < DPT; ++k) {
+    const int d = int(th.tid) + k * NT;
+    TQ_UNROLL
+    for (int s = 0; s < PRE; ++s) {
+      pre[k][s] = (d < D && s < S) ? op[s * D + d] : 0.0f;
+    }
+  }
+
   // Tail scores (log2 units): one simdgroup per token, lanes split the coordinates.
   const int l = row % p.q_len, h = (row / p.q_len) % p.q_heads, b = row / (p.q_len * p.q_heads);
   const TQ_DEV float* tk = tail_k + b * p.tk_stride[0] + (h / p.gqa) * p.tk_stride[1];
@@ -542,12 +556,23 @@ TQ_FN void tq_attention_merge_impl(
     ll += red[NSG + k];
   }
 
-  const TQ_DEV float* op = o_part + int64_t(row) * S * D;
-  for (int d = int(th.tid); d < D; d += NT) {
+  TQ_UNROLL
+  for (int k = 0; k < DPT; ++k) {
+    const int d = int(th.tid) + k * NT;
+    if (d >= D) {
+      break;
+    }
     // Four independent sums keep several loads in flight.
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    const TQ_DEV float* ps = op + d;
-    int s = 0;
+    TQ_UNROLL
+    for (int s = 0; s < PRE; s += 4) { // weights past S are 0 (pre[k][s] too)
+      a0 += pre[k][s] * (s < S ? w[s] : 0.0f);
+      a1 += pre[k][s + 1] * (s + 1 < S ? w[s + 1] : 0.0f);
+      a2 += pre[k][s + 2] * (s + 2 < S ? w[s + 2] : 0.0f);
+      a3 += pre[k][s + 3] * (s + 3 < S ? w[s + 3] : 0.0f);
+    }
+    const TQ_DEV float* ps = op + PRE * D + d;
+    int s = PRE;
     for (; s + 4 <= S; s += 4, ps += 4 * D) {
       a0 += ps[0] * w[s];
       a1 += ps[D] * w[s + 1];

@@ -284,15 +284,15 @@ const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
 }
 
 /// Splits of the keys so that at most `target` blocks (the resident ones) run, each
-/// split at least two block iterations (`step` tokens each) long; returns (splits,
-/// split_len). Rounding up instead would start a second wave of a few blocks that
-/// doubles the kernel's time.
+/// split at least TURBOQUANT_ATTN_MIN_STEPS (default 2) block iterations (`step` tokens
+/// each) long; returns (splits, split_len). Rounding up instead would start a second
+/// wave of a few blocks that doubles the kernel's time.
 std::pair<int, int> key_splits(int kv_len, int units, int target, int step) {
   int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
   if (splits <= 0) {
     splits = std::max(1, target / units);
   }
-  const int min_split = 2 * step;
+  const int min_split = std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", 2)) * step;
   const int max_splits = std::max(1, (kv_len + min_split - 1) / min_split);
   splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
   int split_len = (kv_len + splits - 1) / splits;
@@ -439,7 +439,7 @@ void attention(
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
-  // SM beat 8); tensor-core kernel: one block of 8-12 warps per SM with 4-bit keys,
+  // SM beat 8); tensor-core kernel: one block of 8-16 warps per SM with 4-bit keys,
   // else two of 4 warps (H200, 128k-256k keys: 2 per SM beat 3). One wave either way.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
