@@ -504,14 +504,22 @@ TQ_FN void tq_attention_merge_impl(
       qs[d] = tq_to_float(qr[d]) * p.scale_log2;
     }
     tq_threadgroup_barrier();
-    for (int j = int(th.simd); j < T; j += NSG) {
-      const TQ_DEV float* kr = tk + j * p.tk_stride[2];
+    // Four lanes per token, each over every fourth coordinate: a lane's D/4 loads are
+    // independent (all in flight at once), then two shuffles add the quarters.
+    constexpr int TPL = 4;
+    for (int j0 = 0; j0 < T; j0 += NT / TPL) { // uniform: every lane shuffles
+      const int j = j0 + int(th.tid) / TPL, part = int(th.tid) % TPL;
       float dot = 0.0f;
-      for (int d = int(th.lane); d < D; d += TQ_SIMD) {
-        dot += qs[d] * kr[d];
+      if (j < T) {
+        const TQ_DEV float* kr = tk + j * p.tk_stride[2];
+        TQ_UNROLL
+        for (int i = 0; i < D / TPL; ++i) {
+          dot += qs[i * TPL + part] * kr[i * TPL + part];
+        }
       }
-      dot = tq_simd_sum(dot);
-      if (th.lane == 0) {
+      dot += tq_shfl_xor(dot, 1);
+      dot += tq_shfl_xor(dot, 2);
+      if (part == 0 && j < T) {
         tw[j] = dot;
       }
     }
@@ -519,8 +527,10 @@ TQ_FN void tq_attention_merge_impl(
   }
 
   float mm = tq_neg_inf();
+  const float m_first = int(th.tid) < S ? ml[2 * int(th.tid)] : tq_neg_inf();
+  const float l_first = int(th.tid) < S ? ml[2 * int(th.tid) + 1] : 0.0f;
   for (int s = int(th.tid); s < S; s += NT) {
-    mm = tq_fmax(mm, ml[2 * s]);
+    mm = tq_fmax(mm, s == int(th.tid) ? m_first : ml[2 * s]);
   }
   for (int j = int(th.tid); j < T; j += NT) {
     mm = tq_fmax(mm, tw[j]);
@@ -536,10 +546,10 @@ TQ_FN void tq_attention_merge_impl(
   }
   float ll = 0.0f;
   for (int s = int(th.tid); s < S; s += NT) {
-    const float ms = ml[2 * s];
+    const float ms = s == int(th.tid) ? m_first : ml[2 * s];
     const float ws = (mm == tq_neg_inf() || ms == tq_neg_inf()) ? 0.0f : tq_exp2(ms - mm);
     w[s] = ws;
-    ll += ml[2 * s + 1] * ws;
+    ll += (s == int(th.tid) ? l_first : ml[2 * s + 1]) * ws;
   }
   for (int j = int(th.tid); j < T; j += NT) {
     const float wj = tq_exp2(tw[j] - mm); // tail scores are finite: mm is too
@@ -582,9 +592,20 @@ TQ_FN void tq_attention_merge_impl(
     for (; s < S; ++s, ps += D) {
       a0 += ps[0] * w[s];
     }
-    for (int j = 0; j < T; ++j) {
-      a1 += tv[j * p.tv_stride[2] + d] * tw[j];
+    // the tail's values, four independent loads at a time
+    const TQ_DEV float* tvd = tv + d;
+    float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+    int j = 0;
+    for (; j + 4 <= T; j += 4) {
+      b0 += tvd[j * p.tv_stride[2]] * tw[j];
+      b1 += tvd[(j + 1) * p.tv_stride[2]] * tw[j + 1];
+      b2 += tvd[(j + 2) * p.tv_stride[2]] * tw[j + 2];
+      b3 += tvd[(j + 3) * p.tv_stride[2]] * tw[j + 3];
     }
+    for (; j < T; ++j) {
+      b0 += tvd[j * p.tv_stride[2]] * tw[j];
+    }
+    a1 += (b0 + b1) + (b2 + b3);
     const float acc = (a0 + a1) + (a2 + a3);
     out[int64_t(row) * D + d] = ll > 0.0f ? acc / ll : 0.0f;
   }

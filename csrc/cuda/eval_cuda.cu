@@ -284,15 +284,15 @@ const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
 }
 
 /// Splits of the keys so that at most `target` blocks (the resident ones) run, each
-/// split at least TURBOQUANT_ATTN_MIN_STEPS (default 2) block iterations (`step` tokens
-/// each) long; returns (splits, split_len). Rounding up instead would start a second
-/// wave of a few blocks that doubles the kernel's time.
-std::pair<int, int> key_splits(int kv_len, int units, int target, int step) {
+/// split at least `min_steps` block iterations (`step` tokens each; the environment's
+/// TURBOQUANT_ATTN_MIN_STEPS overrides) long; returns (splits, split_len). Rounding up
+/// instead would start a second wave of a few blocks that doubles the kernel's time.
+std::pair<int, int> key_splits(int kv_len, int units, int target, int step, int min_steps) {
   int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
   if (splits <= 0) {
     splits = std::max(1, target / units);
   }
-  const int min_split = std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", 2)) * step;
+  const int min_split = std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", min_steps)) * step;
   const int max_splits = std::max(1, (kv_len + min_split - 1) / min_split);
   splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
   int split_len = (kv_len + splits - 1) / splits;
@@ -439,18 +439,21 @@ void attention(
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
-  // SM beat 8); tensor-core kernel: one block of 8-16 warps per SM with 4-bit keys,
-  // else two of 4 warps (H200, 128k-256k keys: 2 per SM beat 3). One wave either way.
+  // SM beat 8), splits of at least two iterations; tensor-core kernel: as many blocks
+  // as its registers were budgeted for (one block of 8-16 warps per SM with 4-bit keys,
+  // else 1-3 of 4 warps; H200 device time, d128 K3V3 at 128k: 3 per SM 16% faster than
+  // 2), splits of one iteration or more (4k keys: 8% faster than two). One wave.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
   ck::TQMmaShape msh{0, 0, 0, 0};
   if (mma_sym != nullptr) {
     msh = ck::attention_mma_shape(D, kb, vb, nrb);
   }
-  const int target = env_int(
-      "TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? std::min(2, msh.blocks_per_sm) * sms : 4 * sms);
-  auto [splits, split_len] =
-      key_splits(ap.kv_len, units, target, mma_sym != nullptr ? msh.step : sh.STEP);
+  const int target =
+      env_int("TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
+  auto [splits, split_len] = mma_sym != nullptr
+      ? key_splits(ap.kv_len, units, target, msh.step, 1)
+      : key_splits(ap.kv_len, units, target, sh.STEP, 2);
   p.n_splits = splits;
   p.split_len = split_len;
   // A tail is attended to by the merge, so a single split also writes partials.
