@@ -592,20 +592,31 @@ TQ_FN void tq_attention_merge_impl(
     for (; s < S; ++s, ps += D) {
       a0 += ps[0] * w[s];
     }
-    // the tail's values, four independent loads at a time
+    // The tail's values, 16 independent loads at a time (a dependent chain of loads
+    // would cost one memory latency per token).
+    constexpr int TCH = 16;
     const TQ_DEV float* tvd = tv + d;
-    float b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
-    int j = 0;
-    for (; j + 4 <= T; j += 4) {
-      b0 += tvd[j * p.tv_stride[2]] * tw[j];
-      b1 += tvd[(j + 1) * p.tv_stride[2]] * tw[j + 1];
-      b2 += tvd[(j + 2) * p.tv_stride[2]] * tw[j + 2];
-      b3 += tvd[(j + 3) * p.tv_stride[2]] * tw[j + 3];
+    float tb[TCH];
+    TQ_UNROLL
+    for (int k = 0; k < TCH; ++k) {
+      tb[k] = 0.0f;
     }
-    for (; j < T; ++j) {
-      b0 += tvd[j * p.tv_stride[2]] * tw[j];
+    for (int j0 = 0; j0 < T; j0 += TCH) {
+      float v[TCH];
+      TQ_UNROLL
+      for (int k = 0; k < TCH; ++k) {
+        v[k] = j0 + k < T ? tvd[(j0 + k) * p.tv_stride[2]] : 0.0f;
+      }
+      TQ_UNROLL
+      for (int k = 0; k < TCH; ++k) {
+        tb[k] += v[k] * (j0 + k < T ? tw[j0 + k] : 0.0f);
+      }
     }
-    a1 += (b0 + b1) + (b2 + b3);
+    TQ_UNROLL
+    for (int k = 1; k < TCH; ++k) {
+      tb[0] += tb[k];
+    }
+    a1 += tb[0];
     const float acc = (a0 + a1) + (a2 + a3);
     out[int64_t(row) * D + d] = ll > 0.0f ? acc / ll : 0.0f;
   }
