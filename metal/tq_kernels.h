@@ -504,22 +504,14 @@ TQ_FN void tq_attention_merge_impl(
       qs[d] = tq_to_float(qr[d]) * p.scale_log2;
     }
     tq_threadgroup_barrier();
-    // Four lanes per token, each over every fourth coordinate: a lane's D/4 loads are
-    // independent (all in flight at once), then two shuffles add the quarters.
-    constexpr int TPL = 4;
-    for (int j0 = 0; j0 < T; j0 += NT / TPL) { // uniform: every lane shuffles
-      const int j = j0 + int(th.tid) / TPL, part = int(th.tid) % TPL;
+    for (int j = int(th.simd); j < T; j += NSG) {
+      const TQ_DEV float* kr = tk + j * p.tk_stride[2];
       float dot = 0.0f;
-      if (j < T) {
-        const TQ_DEV float* kr = tk + j * p.tk_stride[2];
-        TQ_UNROLL
-        for (int i = 0; i < D / TPL; ++i) {
-          dot += qs[i * TPL + part] * kr[i * TPL + part];
-        }
+      for (int d = int(th.lane); d < D; d += TQ_SIMD) {
+        dot += qs[d] * kr[d];
       }
-      dot += tq_shfl_xor(dot, 1);
-      dot += tq_shfl_xor(dot, 2);
-      if (part == 0 && j < T) {
+      dot = tq_simd_sum(dot);
+      if (th.lane == 0) {
         tw[j] = dot;
       }
     }
@@ -527,10 +519,8 @@ TQ_FN void tq_attention_merge_impl(
   }
 
   float mm = tq_neg_inf();
-  const float m_first = int(th.tid) < S ? ml[2 * int(th.tid)] : tq_neg_inf();
-  const float l_first = int(th.tid) < S ? ml[2 * int(th.tid) + 1] : 0.0f;
   for (int s = int(th.tid); s < S; s += NT) {
-    mm = tq_fmax(mm, s == int(th.tid) ? m_first : ml[2 * s]);
+    mm = tq_fmax(mm, ml[2 * s]);
   }
   for (int j = int(th.tid); j < T; j += NT) {
     mm = tq_fmax(mm, tw[j]);
@@ -546,10 +536,10 @@ TQ_FN void tq_attention_merge_impl(
   }
   float ll = 0.0f;
   for (int s = int(th.tid); s < S; s += NT) {
-    const float ms = s == int(th.tid) ? m_first : ml[2 * s];
+    const float ms = ml[2 * s];
     const float ws = (mm == tq_neg_inf() || ms == tq_neg_inf()) ? 0.0f : tq_exp2(ms - mm);
     w[s] = ws;
-    ll += (s == int(th.tid) ? l_first : ml[2 * s + 1]) * ws;
+    ll += ml[2 * s + 1] * ws;
   }
   for (int j = int(th.tid); j < T; j += NT) {
     const float wj = tq_exp2(tw[j] - mm); // tail scores are finite: mm is too
@@ -592,31 +582,9 @@ TQ_FN void tq_attention_merge_impl(
     for (; s < S; ++s, ps += D) {
       a0 += ps[0] * w[s];
     }
-    // The tail's values, 16 independent loads at a time (a dependent chain of loads
-    // would cost one memory latency per token).
-    constexpr int TCH = 16;
-    const TQ_DEV float* tvd = tv + d;
-    float tb[TCH];
-    TQ_UNROLL
-    for (int k = 0; k < TCH; ++k) {
-      tb[k] = 0.0f;
+    for (int j = 0; j < T; ++j) {
+      a1 += tv[j * p.tv_stride[2] + d] * tw[j];
     }
-    for (int j0 = 0; j0 < T; j0 += TCH) {
-      float v[TCH];
-      TQ_UNROLL
-      for (int k = 0; k < TCH; ++k) {
-        v[k] = j0 + k < T ? tvd[(j0 + k) * p.tv_stride[2]] : 0.0f;
-      }
-      TQ_UNROLL
-      for (int k = 0; k < TCH; ++k) {
-        tb[k] += v[k] * (j0 + k < T ? tw[j0 + k] : 0.0f);
-      }
-    }
-    TQ_UNROLL
-    for (int k = 1; k < TCH; ++k) {
-      tb[0] += tb[k];
-    }
-    a1 += tb[0];
     const float acc = (a0 + a1) + (a2 + a3);
     out[int64_t(row) * D + d] = ll > 0.0f ? acc / ll : 0.0f;
   }
