@@ -18,8 +18,10 @@ attention layers (16 query heads, head dim 256, 2 or 4 KV heads).
 
 Times: "eval" is the median wall time of one call evaluated on its own (what one
 decode step of one layer costs, launch and synchronisation included); "stream" is
-the time per call when 16 calls are queued before one evaluation (closer to the GPU
-time). Inputs rotate among several buffers so that short contexts are not served
+the time per call when 16 calls are queued before one evaluation. On MLX's CUDA
+backend a queued graph (up to 100 operations on Hopper) is built on the host before it
+runs, so "stream" is host time plus GPU time per call; ``kernel_time.py`` measures the
+GPU time alone. Inputs rotate among several buffers so that short contexts are not served
 from L2. Usage: python bench/bench_gpu.py [--quick] [--lengths 4096,32768] [--reps 30 --rounds 5]
 """
 

@@ -8,6 +8,7 @@
 #   1) carry [".carry/mlx-a"]           bash tools/h200_run.sh stage
 #   2) carry [".carry/mlx-b", ".whl"]   bash tools/h200_run.sh all   (or: build, test, bench)
 # Steps after `stage` can be combined: `bash tools/h200_run.sh build test bench`.
+# `kernel` = bench/kernel_time.py (device time per attention call, Nsight Compute).
 # `validate` = build, test (tests/test_gpu.py), suite (the whole suite with
 # `--device gpu`), decode (bench/bench_decode.py), bench (bench/bench_gpu.py) and a
 # summary, within TQ_DEADLINE seconds (default 560) of its start: each step's timeout is
@@ -207,6 +208,12 @@ step_profile() {
   grep -v "^==PROF==" "$OUT/profile.log" | tail -150
 }
 
+# Device time per attention call (Nsight Compute), fp16 SDPA vs compressed.
+step_kernel() {
+  run_step kernel "${TQ_KERNEL_TIMEOUT:-240}" python3 bench/kernel_time.py ${TQ_KERNEL_ARGS:-}
+  grep "^|" "$OUT/kernel.log"
+}
+
 step_summary() {
   echo "===== summary"
   for f in test suite; do
@@ -237,6 +244,7 @@ for step in "$@"; do
     summary) step_summary ;;
     diag) step_diag ;;
     profile) step_profile ;;
+    kernel) export PYTHONPATH=/tmp/site; step_kernel ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
