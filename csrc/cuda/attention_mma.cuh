@@ -46,6 +46,13 @@
 #ifndef TQ_MMA_WARPS_4BIT
 #define TQ_MMA_WARPS_4BIT 16 // warps per block, K4V4, head dim <= 128, one row block
 #endif
+#ifndef TQ_MMA_PSTRIDE
+// float16 elements per row of a warp's P tile. 16 packs the rows, which makes both the
+// stores (lanes 2c and 2c+4 rows apart) and the B-fragment loads (lanes g and g+4) 2-way
+// bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24 makes both
+// conflict-free. Not yet measured: 16 (as tested) stays the default.
+#define TQ_MMA_PSTRIDE 16
+#endif
 
 namespace turboquant_mlx::cuda_kernels {
 
@@ -87,7 +94,9 @@ struct TQMmaConfig {
   static constexpr int KTAB = (1 << (2 * KB)) * KSTRIDE;
   static constexpr int VOFF = VB == 4 ? 128 : KTAB; // value table offset
   static constexpr int VTAB = VB == 4 ? 0 : (1 << (2 * VB)) * VSTRIDE;
-  static constexpr int PTILE = ROWS * 16 * 2;
+  static constexpr int PSTRIDE = TQ_MMA_PSTRIDE; // halves per P-tile row (>= 16, even)
+  static_assert(PSTRIDE >= 16 && PSTRIDE % 2 == 0, "P-tile rows hold 16 tokens, 4-byte aligned");
+  static constexpr int PTILE = ROWS * PSTRIDE * 2;
   static constexpr int TAB_ALIGN = BYTE_ADDR ? 65536 : 16; // of the tables' shared address
   static constexpr int LOOP_SMEM = TAB_ALIGN - 16 + KTAB + VTAB + WARPS * PTILE;
   static constexpr int MERGE_SMEM = WARPS * ROWS * (D + 2) * 4;
@@ -412,14 +421,14 @@ __device__ __forceinline__ void tq_mma_step(
       for (int i = 0; i < 4; ++i) {
         const int row = nb * 8 + 2 * cc + (i & 1);
         const int tok = g + 8 * (i >> 1);
-        ptile[row * 16 + tok] = __float2half_rn(s[m][nb][i]);
+        ptile[row * C::PSTRIDE + tok] = __float2half_rn(s[m][nb][i]);
       }
     }
     __syncwarp();
     uint32_t pb[NRB][2];
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
-      const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * 16);
+      const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * C::PSTRIDE);
       pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
       pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
     }
@@ -510,7 +519,7 @@ tq_attention_mma_kernel(
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(tq_mma_smem));
   const uint32_t tab_off = (C::TAB_ALIGN - (smem_addr & (C::TAB_ALIGN - 1))) & (C::TAB_ALIGN - 1);
   unsigned char* tabs = tq_mma_smem + tab_off;
-  __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * ROWS * 16;
+  __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * ROWS * C::PSTRIDE;
 
   // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
   // per lane.
