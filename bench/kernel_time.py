@@ -21,6 +21,7 @@ import ctypes
 import io
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,35 +101,15 @@ def ncu_call_time(args, calls):
     return sum(parts.values()), parts
 
 
-def device_bandwidth():
-    """Read+write bytes per second of a 2 GiB device copy (torch, CUDA events)."""
-    try:
-        import torch
-
-        x = torch.empty(2**29, dtype=torch.float32, device="cuda").uniform_()
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(10):
-            s.record()
-            y.copy_(x)
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        bw = 2 * x.numel() * 4 / statistics.median(ts)
-        del x, y
-        torch.cuda.empty_cache()
-        return bw
-    except Exception as exc:  # torch is optional
-        print(f"(device bandwidth not measured: {exc})")
-        return None
-
-
 def driver(a):
-    bw = device_bandwidth()
-    print(f"Device copy bandwidth (torch, read+write): {bw / 1e12:.2f} TB/s" if bw else "")
+    if shutil.which("ncu") is None:
+        sys.exit("kernel_time: Nsight Compute (ncu) is not on the PATH")
+    sys.path.insert(0, HERE)
+    from bench_gpu import device_bandwidth
+
+    mlx_bw, torch_bw = device_bandwidth()
+    bw = torch_bw or mlx_bw
+    print(f"Device copy bandwidth (read+write, {'torch' if torch_bw else 'MLX'}): {bw / 1e12:.2f} TB/s")
     lengths = [int(x) for x in a.lengths.split(",")]
     pairs = [tuple(int(c) for c in p.split("v")) for p in a.bits.split(",")]
     shapes = [(32, 8, 128)]
@@ -154,7 +135,7 @@ def driver(a):
                     ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
                      "--tail", str(a.tail), *shape], a.calls)
                 nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
-                pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%" if bw else "–"
+                pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%"
                 line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
                 details.append(f"K{kb}V{vb} " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
             print(line, flush=True)
