@@ -433,12 +433,16 @@ def test_attention_forced_split_counts(monkeypatch, splits):
 
 
 @pytest.mark.parametrize("splits", ("auto", "1", "3"))
-@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("kernel", ("default", "simt", "tail-in-kernel"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 def test_attention_with_tail(monkeypatch, q_dtype, kernel, splits):
     # The tail joins the split-K merge; one split must still write partials for it.
+    # "tail-in-kernel": the tensor-core kernel's last split attends to the tail (half
+    # queries, builds with -DTURBOQUANT_MMA_TUNE=TQ_MMA_TAIL=1; otherwise the merge does).
     if kernel == "simt":
         monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+    if kernel == "tail-in-kernel":
+        monkeypatch.setenv("TURBOQUANT_ATTN_TAIL", "kernel")
     if splits != "auto":
         monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + len(splits))

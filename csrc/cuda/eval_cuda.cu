@@ -456,8 +456,13 @@ void attention(
       : key_splits(ap.kv_len, units, target, sh.STEP, 2);
   p.n_splits = splits;
   p.split_len = split_len;
-  // A tail is attended to by the merge, so a single split also writes partials.
-  const bool partials = splits > 1 || ap.has_tail;
+  // The tail is attended to by the merge (so a single split also writes partials), or,
+  // in a build with TQ_MMA_TAIL=1 and TURBOQUANT_ATTN_TAIL=kernel, by the tensor-core
+  // kernel's last split (experimental: not yet run on a GPU).
+  const char* tail_env = std::getenv("TURBOQUANT_ATTN_TAIL");
+  const bool tail_in_kernel = TQ_MMA_TAIL && ap.has_tail && mma_sym != nullptr &&
+      tail_env != nullptr && std::string(tail_env) == "kernel";
+  const bool partials = splits > 1 || (ap.has_tail && !tail_in_kernel);
   p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;
@@ -524,12 +529,27 @@ void attention(
   float* outp = mptr<float>(out);
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
+  // the tail's arrays and arguments (last two inputs), for the merge or the kernel
+  TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
+  const float* tkp = nullptr;
+  const float* tvp = nullptr;
+  if (ap.has_tail) {
+    const auto& tk = inputs[inputs.size() - 2];
+    const auto& tv = inputs.back();
+    enc.set_input_array(tk);
+    enc.set_input_array(tv);
+    tkp = cptr<float>(tk);
+    tvp = cptr<float>(tv);
+  }
   if (mma_sym != nullptr) {
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
+    TQMergeParams kernel_tail = mp;
+    kernel_tail.tail_len = tail_in_kernel ? mp.tail_len : 0;
     enc.add_kernel_node_ex(
         f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
-        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
+        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, tkp, tvp,
+        kernel_tail);
   } else {
     enc.add_kernel_node_ex(
         f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
@@ -541,16 +561,8 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
-    const float* tkp = nullptr;
-    const float* tvp = nullptr;
-    if (ap.has_tail) {
-      const auto& tk = inputs[inputs.size() - 2];
-      const auto& tv = inputs.back();
-      enc.set_input_array(tk);
-      enc.set_input_array(tv);
-      tkp = cptr<float>(tk);
-      tvp = cptr<float>(tv);
+    if (tail_in_kernel) {
+      mp.tail_len = 0; // already in the partials
     }
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
