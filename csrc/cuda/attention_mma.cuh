@@ -602,10 +602,14 @@ tq_attention_mma_kernel(
     float* __restrict__ o_part,
     float* __restrict__ ml_part,
     const __grid_constant__ TQAttnParams p,
-    int q_bf16,
+    int q_bf16
+#if TQ_MMA_TAIL
+    ,
     const float* __restrict__ tail_k,
     const float* __restrict__ tail_v,
-    const __grid_constant__ TQMergeParams tp) {
+    const __grid_constant__ TQMergeParams tp
+#endif
+) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
@@ -788,15 +792,17 @@ tq_attention_mma_kernel(
 
   // In a build with TQ_MMA_TAIL=1 and TURBOQUANT_ATTN_TAIL=kernel (tp.tail_len > 0 only
   // then), the last split's blocks also attend to the tail: one more merge entry.
-  const bool tail = TQ_MMA_TAIL && tp.tail_len > 0 && split == p.n_splits - 1;
-  if constexpr (TQ_MMA_TAIL) {
-    if (tail) {
-      float* slot = red + C::WARPS * ROWS * (D + 2);
-      tq_mma_tail_entry<D, ROWS, C::THREADS>(q, q_bf16, tail_k, tail_v, tp, b, kvh, row0, nr,
-                                             slot, slot + ROWS * (D + 2));
-      __syncthreads();
-    }
+#if TQ_MMA_TAIL
+  const bool tail = tp.tail_len > 0 && split == p.n_splits - 1;
+  if (tail) {
+    float* slot = red + C::WARPS * ROWS * (D + 2);
+    tq_mma_tail_entry<D, ROWS, C::THREADS>(q, q_bf16, tail_k, tail_v, tp, b, kvh, row0, nr,
+                                           slot, slot + ROWS * (D + 2));
+    __syncthreads();
   }
+#else
+  constexpr bool tail = false;
+#endif
   const float* tslot = red + C::WARPS * ROWS * (D + 2); // the tail's entry (if `tail`)
 
   const bool single = p.partials == 0;

@@ -459,9 +459,12 @@ void attention(
   // The tail is attended to by the merge (so a single split also writes partials), or,
   // in a build with TQ_MMA_TAIL=1 and TURBOQUANT_ATTN_TAIL=kernel, by the tensor-core
   // kernel's last split (experimental: not yet run on a GPU).
+  bool tail_in_kernel = false;
+#if TQ_MMA_TAIL
   const char* tail_env = std::getenv("TURBOQUANT_ATTN_TAIL");
-  const bool tail_in_kernel = TQ_MMA_TAIL && ap.has_tail && mma_sym != nullptr &&
-      tail_env != nullptr && std::string(tail_env) == "kernel";
+  tail_in_kernel = ap.has_tail && mma_sym != nullptr && tail_env != nullptr &&
+      std::string(tail_env) == "kernel";
+#endif
   const bool partials = splits > 1 || (ap.has_tail && !tail_in_kernel);
   p.partials = partials ? 1 : 0;
 
@@ -529,27 +532,30 @@ void attention(
   float* outp = mptr<float>(out);
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
-  // the tail's arrays and arguments (last two inputs), for the merge or the kernel
-  TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
-  const float* tkp = nullptr;
-  const float* tvp = nullptr;
-  if (ap.has_tail) {
-    const auto& tk = inputs[inputs.size() - 2];
-    const auto& tv = inputs.back();
-    enc.set_input_array(tk);
-    enc.set_input_array(tv);
-    tkp = cptr<float>(tk);
-    tvp = cptr<float>(tv);
-  }
   if (mma_sym != nullptr) {
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
-    TQMergeParams kernel_tail = mp;
-    kernel_tail.tail_len = tail_in_kernel ? mp.tail_len : 0;
+#if TQ_MMA_TAIL
+    TQMergeParams kernel_tail = merge_params(q, ap, inputs, Hkv, splits);
+    const float* ktk = nullptr;
+    const float* ktv = nullptr;
+    if (tail_in_kernel) {
+      enc.set_input_array(inputs[inputs.size() - 2]);
+      enc.set_input_array(inputs.back());
+      ktk = cptr<float>(inputs[inputs.size() - 2]);
+      ktv = cptr<float>(inputs.back());
+    } else {
+      kernel_tail.tail_len = 0;
+    }
     enc.add_kernel_node_ex(
         f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
-        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, tkp, tvp,
+        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, ktk, ktv,
         kernel_tail);
+#else
+    enc.add_kernel_node_ex(
+        f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
+        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
+#endif
   } else {
     enc.add_kernel_node_ex(
         f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
@@ -561,8 +567,18 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
+    TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
+    const float* tkp = nullptr;
+    const float* tvp = nullptr;
     if (tail_in_kernel) {
       mp.tail_len = 0; // already in the partials
+    } else if (ap.has_tail) {
+      const auto& tk = inputs[inputs.size() - 2];
+      const auto& tv = inputs.back();
+      enc.set_input_array(tk);
+      enc.set_input_array(tv);
+      tkp = cptr<float>(tk);
+      tvp = cptr<float>(tv);
     }
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
