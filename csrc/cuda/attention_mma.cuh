@@ -38,8 +38,8 @@
 
 #include "tq_kernels.h" // tq_mask_value, tq_neg_inf, TQAttnParams
 
-// Launch-shape knobs for tuning builds (-DTURBOQUANT_MMA_TUNE="TQ_MMA_TILES=2;..." in
-// CMake); the defaults are the measured best on an H200.
+// Knobs for tuning builds (-DTURBOQUANT_MMA_TUNE="TQ_MMA_TILES=2;..." in CMake,
+// tools/mma_variants.sh); the defaults are what was measured and tested on an H200.
 #ifndef TQ_MMA_TILES
 #define TQ_MMA_TILES 1 // 16-token tiles per warp iteration
 #endif
@@ -53,10 +53,10 @@
 #define TQ_MMA_TAIL 0
 #endif
 #ifndef TQ_MMA_PSTRIDE
-// float16 elements per row of a warp's P tile. 16 packs the rows, which makes both the
-// stores (lanes 2c and 2c+4 rows apart) and the B-fragment loads (lanes g and g+4) 2-way
-// bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24 makes both
-// conflict-free. Not yet measured: 16 (as tested) stays the default.
+// float16 elements per row of a warp's P tile. 16 packs the rows, which makes the stores
+// (lanes whose c differs by 2: rows 4 apart) and the B-fragment loads (lanes whose g
+// differs by 4) 2-way bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24
+// makes both conflict-free. Not yet measured: 16 (as tested) stays the default.
 #define TQ_MMA_PSTRIDE 16
 #endif
 
