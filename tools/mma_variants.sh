@@ -16,7 +16,7 @@ OUT="${OUT:-/tmp/tq_out}"
 export PYTHONPATH=/tmp/site
 first=1
 for v in "$@"; do
-  tag=$(echo "$v" | tr -c 'A-Za-z0-9=\n' '_')
+  tag=$(echo "$v" | tr -c 'A-Za-z0-9\n' '_') # letters, digits and _ only
   t0=$SECONDS
   cmake -S . -B /tmp/tq_build -DTURBOQUANT_MMA_TUNE="$v" >"$OUT/variant_$tag.log" 2>&1 &&
     cmake --build /tmp/tq_build -j "$(nproc)" >>"$OUT/variant_$tag.log" 2>&1 ||
