@@ -532,11 +532,12 @@ void attention(
   float* outp = mptr<float>(out);
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
+  TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits); // the merge's, and the tail's
   if (mma_sym != nullptr) {
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
 #if TQ_MMA_TAIL
-    TQMergeParams kernel_tail = merge_params(q, ap, inputs, Hkv, splits);
+    TQMergeParams kernel_tail = mp;
     const float* ktk = nullptr;
     const float* ktv = nullptr;
     if (tail_in_kernel) {
@@ -567,7 +568,6 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
     const float* tkp = nullptr;
     const float* tvp = nullptr;
     if (tail_in_kernel) {
