@@ -208,6 +208,17 @@ step_profile() {
   grep -v "^==PROF==" "$OUT/profile.log" | tail -150
 }
 
+# Where the tensor-core kernel's warps wait (K4V4, 128k keys): stall reasons and the
+# SASS instructions with the most stall samples (tools/ncu_stalls.py).
+step_stalls() {
+  export PYTHONPATH=/tmp/site
+  run_step stalls_run "${TQ_PROFILE_TIMEOUT:-150}" ncu --kernel-name "${TQ_PROFILE_KERNEL:-regex:tq_attention_mma}" \
+    --launch-skip 0 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --import-source no \
+    -f -o /tmp/tq_stalls python3 bench/attention_once.py --calls 1 ${TQ_PROFILE_ARGS:-}
+  python3 tools/ncu_stalls.py /tmp/tq_stalls.ncu-rep 45 2>&1 | tee "$OUT/stalls.log"
+}
+
 # Device time per attention call (Nsight Compute), fp16 SDPA vs compressed.
 step_kernel() {
   run_step kernel "${TQ_KERNEL_TIMEOUT:-240}" python3 bench/kernel_time.py ${TQ_KERNEL_ARGS:-}
@@ -244,6 +255,7 @@ for step in "$@"; do
     summary) step_summary ;;
     diag) step_diag ;;
     profile) step_profile ;;
+    stalls) step_stalls ;;
     kernel) export PYTHONPATH=/tmp/site; step_kernel ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -5,7 +5,9 @@
 # (tests/test_gpu.py, half-precision query tests) and times it with bench/kernel_time.py.
 #   bash tools/mma_variants.sh "TQ_MMA_TILES=1;TQ_MMA_WARPS_4BIT=12" "TQ_MMA_TILES=2;TQ_MMA_WARPS_4BIT=8"
 # TQ_VARIANT_ARGS: kernel_time.py arguments (default: K4V4 at 4k, 128k, 256k).
-# Knobs: TQ_MMA_TILES, TQ_MMA_WARPS_4BIT, TQ_MMA_PSTRIDE, TQ_MMA_TAIL (attention_mma.cuh).
+# TQ_VARIANT_TESTS=0: no tests (TQ_MMA_PROBE builds compute wrong results by design).
+# Knobs: TQ_MMA_TILES, TQ_MMA_WARPS_4BIT, TQ_MMA_PSTRIDE, TQ_MMA_TAIL, TQ_MMA_PROBE
+# (attention_mma.cuh).
 # A TQ_MMA_TAIL=1 build attends to the op's tail in the kernel when TURBOQUANT_ATTN_TAIL=kernel
 # (the tests tagged tail-in-kernel set it); to time that:
 #   TURBOQUANT_ATTN_TAIL=kernel TQ_VARIANT_ARGS="--tail 36 --lengths 4096,131072 --bits 4v4" \
@@ -24,8 +26,10 @@ for v in "$@"; do
   grep -i "spill" "$OUT/variant_$tag.log" | grep -v " 0 bytes spill" | head -3
   cp /tmp/tq_build/_ext*.so /tmp/site/turboquant_mlx/
   echo "== $v (built in $((SECONDS - t0)) s)"
-  (cd tests && timeout 150 python3 -m pytest -q -p no:cacheprovider test_gpu.py \
-    -k "half_queries or with_tail" 2>&1 | tail -2)
+  if [ "${TQ_VARIANT_TESTS:-1}" = 1 ]; then
+    (cd tests && timeout 150 python3 -m pytest -q -p no:cacheprovider test_gpu.py \
+      -k "half_queries or with_tail" 2>&1 | tail -2)
+  fi
   sdpa=--no-sdpa
   [ $first = 1 ] && sdpa=
   first=0

@@ -52,6 +52,13 @@
 // a GPU; at 128 registers (K4V4, 16 warps) it costs a 4-byte spill. 0 compiles it out.
 #define TQ_MMA_TAIL 0
 #endif
+#ifndef TQ_MMA_PROBE
+// Measurement builds only (wrong results): 1 = decode the warp's first tile over and over
+// (reloaded from the same addresses, L1 hits: the kernel's compute time), 2 = load every
+// tile but skip
+// the decode (its memory time with the same access pattern).
+#define TQ_MMA_PROBE 0
+#endif
 #ifndef TQ_MMA_PSTRIDE
 // float16 elements per row of a warp's P tile. 16 packs the rows, which makes the stores
 // (lanes whose c differs by 2: rows 4 apart) and the B-fragment loads (lanes whose g
@@ -728,13 +735,25 @@ tq_attention_mma_kernel(
   TQMmaTile<D, KB, VB, NRB> ta, tb;
   const int t_last = t_end - 1;
   int t0 = t_begin + warp * C::TILE;
+  [[maybe_unused]] const int t_first = min(t0, t_last);
   c.score_up = sup;
   if (t0 < t_end) {
     tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_last, g, cc);
     tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + C::STEP, t_last), t_last, g, cc);
   }
   __syncthreads(); // tables ready
+#if TQ_MMA_PROBE == 2
+  uint32_t sink = 0;
+#endif
   auto run = [&](TQMmaTile<D, KB, VB, NRB>& tl, int t) {
+#if TQ_MMA_PROBE == 2
+    for (int m = 0; m < C::MT; ++m) {
+      for (int i = 0; i < C::KW; ++i) sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
+      for (int i = 0; i < C::VW; ++i) sink ^= tl.v[m][0][i] ^ tl.v[m][1][i] ^ tl.v[m][2][i] ^ tl.v[m][3][i];
+      sink ^= __float_as_uint(tl.ks[m][0] + tl.ks[m][1] + tl.vs[m][0] + tl.vs[m][1]);
+    }
+    return;
+#endif
     if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
       tq_mma_step<D, KB, VB, NRB, false>(
           acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
@@ -745,13 +764,20 @@ tq_attention_mma_kernel(
   };
   for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
     run(ta, t0);
-    tq_mma_load<D, KB, VB, NRB>(ta, c, min(t0 + 2 * C::STEP, t_last), t_last, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(
+        ta, c, TQ_MMA_PROBE == 1 ? t_first : min(t0 + 2 * C::STEP, t_last), t_last, g, cc);
     if (t0 + C::STEP >= t_end) {
       break;
     }
     run(tb, t0 + C::STEP);
-    tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + 3 * C::STEP, t_last), t_last, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(
+        tb, c, TQ_MMA_PROBE == 1 ? t_first : min(t0 + 3 * C::STEP, t_last), t_last, g, cc);
   }
+#if TQ_MMA_PROBE == 2
+  if (sink == 0x9e3779b9u) {
+    acc.l[0][0] += 1.0f; // keeps the loads
+  }
+#endif
 
   // ---- row sums over the 8 lanes of a row pair
 #pragma unroll

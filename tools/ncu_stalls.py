@@ -1,0 +1,73 @@
+"""Summarises an Nsight Compute report of one kernel: where its warps wait.
+
+    ncu --section WarpStateStats --section SourceCounters \
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio -o rep ...
+    python tools/ncu_stalls.py rep.ncu-rep
+
+Prints the stall reasons (warps stalled per issued instruction, largest first) and the
+SASS instructions with the most stall samples, each with its leading stall reasons.
+"""
+
+import csv
+import io
+import subprocess
+import sys
+
+
+def ncu_csv(report, *args):
+    out = subprocess.run(
+        ["ncu", "-i", report, "--csv", *args], capture_output=True, text=True, check=False
+    ).stdout
+    lines = [l for l in out.splitlines() if l.startswith('"')]
+    return list(csv.reader(io.StringIO("\n".join(lines))))
+
+
+def number(s):
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def main():
+    report = sys.argv[1]
+    top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    rows = ncu_csv(report, "--page", "raw")
+    if len(rows) >= 3:
+        head, values = rows[0], rows[2]
+        stalls = []
+        for name, v in zip(head, values):
+            x = number(v)
+            if "issue_stalled" in name and name.endswith("per_issue_active.ratio") and x:
+                stalls.append((x, name.split("issue_stalled_")[1].split("_per_issue")[0]))
+            elif x is not None and any(
+                k in name
+                for k in ("sm__cycles_elapsed.avg.per_second", "smsp__issue_active.avg.per_cycle",
+                          "gpu__time_duration.sum", "dram__throughput.avg.pct")
+            ):
+                print(f"{name:60s} {v}")
+        print("\nstall reason (warps stalled per issued instruction):")
+        for x, n in sorted(stalls, reverse=True)[:16]:
+            print(f"  {n:28s} {x:7.3f}")
+    src = ncu_csv(report, "--page", "source", "--print-source", "sass")
+    if not src:
+        print("(no source page)")
+        return
+    head = src[0]
+    print("\nsource columns:", head[:40])
+    try:
+        si = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
+    except StopIteration:
+        return
+    reasons = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i != si]
+    body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
+    total = sum(number(r[si]) for r in body) or 1.0
+    print(f"\ntotal stall samples {total:.0f}; top {top} instructions:")
+    for r in sorted(body, key=lambda r: -number(r[si]))[:top]:
+        why = sorted(((number(r[i]) or 0.0, head[i]) for i in reasons), reverse=True)[:3]
+        why = ", ".join(f"{h.replace('stall_', '')} {x:.0f}" for x, h in why if x > 0)
+        print(f"  {100 * number(r[si]) / total:5.1f}%  {r[0]:>6s} {r[1][:60]:60s} {why}")
+
+
+if __name__ == "__main__":
+    main()
