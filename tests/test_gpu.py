@@ -182,6 +182,7 @@ def run_attention(
     q_dtype=mx.float32,
     capacity=None,
     tail=0,
+    gapped=False,
 ):
     capacity = capacity or kv_len + 3
     q_heads = kv_heads * group
@@ -194,16 +195,25 @@ def run_attention(
     q = mx.array(2.0 * rng.standard_normal((batch, q_heads, q_len, head_dim))).astype(q_dtype)
     m = make_mask(mask, rng, batch, q_heads, q_len, kv_len)
     scale = 1.0 / math.sqrt(head_dim)
+    caches = [mx.array(a) for a in (k_words, k_scales, v_words, v_scales)]
+    if gapped:  # views with gaps between tokens: rows of wider buffers, every other scale
+        for i in (0, 2):
+            a = np.array(caches[i])
+            wide = np.zeros(a.shape[:3] + (a.shape[3] + 4,), a.dtype)
+            wide[..., : a.shape[3]] = a
+            caches[i] = mx.array(wide)[..., : a.shape[3]]
+        for i in (1, 3):
+            a = np.array(caches[i])
+            wide = np.zeros(a.shape[:2] + (2 * a.shape[2],), a.dtype)
+            wide[..., ::2] = a
+            caches[i] = mx.array(wide)[..., ::2]
     tail_k = tail_v = None
     if tail:
         tail_k = (2.0 * rng.standard_normal((batch, kv_heads, tail, head_dim))).astype(np.float32)
         tail_v = rng.standard_normal((batch, kv_heads, tail, head_dim)).astype(np.float32)
     out, lse = ops.compressed_attention(
         q,
-        mx.array(k_words),
-        mx.array(k_scales),
-        mx.array(v_words),
-        mx.array(v_scales),
+        *caches,
         mx.array(centroids_np(head_dim, key_bits)),
         mx.array(centroids_np(head_dim, value_bits)),
         kv_len,
@@ -379,6 +389,19 @@ def test_attention_half_queries(head_dim, key_bits, value_bits):
             q_dtype=q_dtype,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, key_bits, value_bits))
+
+
+@pytest.mark.parametrize("head_dim,key_bits,value_bits", ((128, 4, 4), (64, 3, 2), (256, 4, 3)))
+def test_attention_half_queries_gapped_cache(head_dim, key_bits, value_bits):
+    # Cache views whose tokens are not adjacent in memory: the tensor-core kernel reads
+    # dense rows, so the op hands it dense copies.
+    rng = np.random.default_rng(head_dim + key_bits)
+    for kv_len, group in ((40, 4), (1500, 8)):
+        result = run_attention(
+            rng, kv_len=kv_len, group=group, head_dim=head_dim, key_bits=key_bits,
+            value_bits=value_bits, q_dtype=mx.float16, gapped=True,
+        )
+        assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, key_bits, value_bits))
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])

@@ -217,6 +217,7 @@ step_stalls() {
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --import-source no \
     -f -o /tmp/tq_stalls python3 bench/attention_once.py --calls 1 ${TQ_PROFILE_ARGS:-}
   python3 tools/ncu_stalls.py /tmp/tq_stalls.ncu-rep 45 2>&1 | tee "$OUT/stalls.log"
+  ncu -i /tmp/tq_stalls.ncu-rep --page source --csv --print-source sass >"$OUT/stalls_sass.csv" 2>&1
 }
 
 # Device time per attention call (Nsight Compute), fp16 SDPA vs compressed.

@@ -53,12 +53,13 @@ def main():
     if not src:
         print("(no source page)")
         return
-    head = src[0]
-    print("\nsource columns:", head[:40])
-    try:
-        si = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
-    except StopIteration:
+    # the page may open with the kernel's name: the header is the row naming the samples
+    hi = next((i for i, r in enumerate(src) if any(h.startswith("Warp Stall Sampling (All") for h in r)), None)
+    if hi is None:
+        print("(no stall samples on the source page; first rows:", src[:3], ")")
         return
+    head, src = src[hi], src[hi:]
+    si = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
     reasons = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i != si]
     body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
     total = sum(number(r[si]) for r in body) or 1.0

@@ -96,6 +96,9 @@ struct TQMmaConfig {
   static constexpr int KBITS = D / 4 * KB;
   static constexpr int VBITS = D / 8 * VB;
   static constexpr int KW = (KBITS + 31) / 32;
+  // bytes per token of the codes (dense token axis, see tq_mma_load_tokens)
+  static constexpr uint32_t KTOK = D * KB / 8;
+  static constexpr uint32_t VTOK = D * VB / 8;
   static constexpr int VW = (VBITS + 31) / 32;
   // shared memory (bytes): the two pair tables and one P tile per warp; the final
   // merge reuses it for m, l and o of every warp.
@@ -209,52 +212,77 @@ struct TQMmaTile {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   uint32_t k[C::MT][2][C::KW]; // tokens g, g+8: key slice c
   uint32_t v[C::MT][4][C::VW]; // tokens 2c, 2c+1, 2c+8, 2c+9: value slice g
-  float ks[C::MT][2]; // key scales of tokens g, g+8
-  float vs[C::MT][2]; // value scales of tokens g, g+8 (folded into P)
+  // Scales of tokens g, g+8 as loaded (float16): converted where they are used, so that
+  // the warp does not wait for the loads right after issuing them.
+  __half ks[C::MT][2]; // keys
+  __half vs[C::MT][2]; // values (folded into P)
 };
 
-/// This lane's view of one (batch, KV head) of the cache. Code pointers already point
-/// at the lane's slice when slices are whole words (kj / vj = 0), else kj / vj is the
-/// slice index. Token strides are unsigned so that each token's address is one 32-bit
-/// multiply-add onto the 64-bit base (IMAD.WIDE.U32) instead of sign-extended 64-bit
-/// arithmetic. Strides in bytes.
+/// One (batch, KV head) of the cache as this lane reads it: block-wide bases, and this
+/// lane's slice kc_lane / vc_lane bytes into a token's codes when slices are whole words
+/// (kj / vj = 0), else kj / vj is the slice index. A token's address is the base plus a
+/// 32-bit offset (the host checks that every offset fits).
 struct TQMmaCache {
-  const uint32_t* kc;
-  const __half* ks;
-  const uint32_t* vc;
-  const __half* vs;
-  uint32_t kc_tok, ks_tok, vc_tok, vs_tok;
+  const unsigned char* kc;
+  const unsigned char* ks;
+  const unsigned char* vc;
+  const unsigned char* vs;
+  uint32_t kc_lane, vc_lane;
   int kj, vj;
-  float score_up; // 2^qexp: the scale the queries were divided by, restored on the key scales
 };
 
-/// Row t of `base` (rows `stride` bytes apart).
-template <typename T>
-__device__ __forceinline__ const T* tq_row(const T* base, uint32_t t, uint32_t stride) {
-  return reinterpret_cast<const T*>(
-      reinterpret_cast<const unsigned char*>(base) + uint64_t(t) * uint64_t(stride));
-}
-
-template <int D, int KB, int VB, int NRB>
-__device__ __forceinline__ void tq_mma_load(
+/// Codes and scales of the warp iteration at tokens t0 .. t0 + TILE - 1 (CLAMP: tokens
+/// past t_last re-read it). Tokens sit KTOK / VTOK / 2 bytes apart (the host makes the
+/// token axis dense), so without CLAMP every token's address is one constant offset
+/// from the lane's first.
+template <int D, int KB, int VB, int NRB, bool CLAMP>
+__device__ __forceinline__ void tq_mma_load_tokens(
     TQMmaTile<D, KB, VB, NRB>& tl, const TQMmaCache& c, int t0, int t_last, int g, int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
+  // Token t0 + i of this lane's first key (g) and value (2c) token, as byte pointers:
+  // without CLAMP the lane's first token plus a constant (an immediate offset of the load).
+  const uint32_t tk0 = uint32_t(t0 + g), tv0 = uint32_t(t0 + 2 * cc);
+  const unsigned char* kc0 = c.kc + (tk0 * C::KTOK + c.kc_lane);
+  const unsigned char* vc0 = c.vc + (tv0 * C::VTOK + c.vc_lane);
+  const unsigned char* ks0 = c.ks + 2u * tk0;
+  const unsigned char* vs0 = c.vs + 2u * tk0;
+  auto at = [&](const unsigned char* first, uint32_t t_first, int i, uint32_t tok, uint32_t lane) {
+    if constexpr (CLAMP) {
+      const uint32_t t = uint32_t(min(int(t_first) + i, t_last));
+      return (first - (t_first * tok + lane)) + (t * tok + lane);
+    } else {
+      return first + i * tok;
+    }
+  };
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
-    const int tb = t0 + 16 * m;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // past the end: re-read a valid token
-      const uint32_t t = uint32_t(min(tb + g + 8 * h, t_last));
-      tq_load_slice<C::KBITS>(tq_row(c.kc, t, c.kc_tok), c.kj, tl.k[m][h]);
-      tl.ks[m][h] = __half2float(*tq_row(c.ks, t, c.ks_tok)) * c.score_up;
-      tl.vs[m][h] = __half2float(*tq_row(c.vs, t, c.vs_tok));
+      const int i = 16 * m + 8 * h;
+      tq_load_slice<C::KBITS>(
+          reinterpret_cast<const uint32_t*>(at(kc0, tk0, i, C::KTOK, c.kc_lane)), c.kj, tl.k[m][h]);
+      tl.ks[m][h] = *reinterpret_cast<const __half*>(at(ks0, tk0, i, 2u, 0u));
+      tl.vs[m][h] = *reinterpret_cast<const __half*>(at(vs0, tk0, i, 2u, 0u));
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t t = uint32_t(min(tb + 2 * cc + (i & 1) + 8 * (i >> 1), t_last));
-      tq_load_slice<C::VBITS>(tq_row(c.vc, t, c.vc_tok), c.vj, tl.v[m][i]);
+    for (int j = 0; j < 4; ++j) {
+      const int i = 16 * m + (j & 1) + 8 * (j >> 1);
+      tq_load_slice<C::VBITS>(
+          reinterpret_cast<const uint32_t*>(at(vc0, tv0, i, C::VTOK, c.vc_lane)), c.vj, tl.v[m][j]);
     }
+  }
+}
+
+/// Loads the warp iteration at t0 (uniform within the warp) if it holds keys: the plain
+/// addressing when it lies wholly before t_end, else clamped to the last key.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_load(
+    TQMmaTile<D, KB, VB, NRB>& tl, const TQMmaCache& c, int t0, int t_end, int g, int cc) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  if (t0 + C::TILE <= t_end) {
+    tq_mma_load_tokens<D, KB, VB, NRB, false>(tl, c, t0, t_end - 1, g, cc);
+  } else if (t0 < t_end) {
+    tq_mma_load_tokens<D, KB, VB, NRB, true>(tl, c, t0, t_end - 1, g, cc);
   }
 }
 
@@ -307,7 +335,8 @@ __device__ __forceinline__ void tq_mma_step(
     int g,
     int cc,
     const unsigned char* mask,
-    const TQAttnParams& p) {
+    const TQAttnParams& p,
+    float score_up) { // 2^qexp: the scale the queries were divided by
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK;
 
@@ -358,7 +387,7 @@ __device__ __forceinline__ void tq_mma_step(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float sum = NCH == 2 ? s2[0][nb][i] + s2[NCH - 1][nb][i] : s2[0][nb][i];
-        s[m][nb][i] = sum * tl.ks[m][i >> 1];
+        s[m][nb][i] = sum * (__half2float(tl.ks[m][i >> 1]) * score_up);
       }
     }
     if (CHECK) {
@@ -387,23 +416,39 @@ __device__ __forceinline__ void tq_mma_step(
   }
 
   // ---- online softmax per row (rows 2c, 2c+1 of each row block; the 8 lanes g of a
-  // row pair reduce with xor-shuffles over lane bits 2..4)
+  // row pair reduce with xor-shuffles over lane bits 2..4). The running maxima only
+  // change when some score of the tile exceeds them, which after the first tiles is
+  // rare: one vote decides, and the reduction (three dependent shuffles per row) and the
+  // rescale of the accumulators run only then. The weights stay <= 1 either way.
+  // (Head dim 256 reduces and rescales every tile: the branch costs registers there.)
+  bool grow = D > 128;
+  if constexpr (D <= 128) {
 #pragma unroll
-  for (int nb = 0; nb < NRB; ++nb) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float mx = acc.m[nb][e];
+    for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
       for (int m = 0; m < C::MT; ++m) {
-        mx = fmaxf(mx, fmaxf(s[m][nb][e], s[m][nb][e + 2]));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          grow = grow || s[m][nb][i] > acc.m[nb][i & 1];
+        }
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-      // The accumulators are rescaled only when some row's maximum grew (rarely after
-      // the first tiles). mx == -inf: nothing visible yet for this row.
-      // (Head dim 256 rescales unconditionally: the branch costs registers there.)
-      if (D > 128 || __any_sync(0xffffffffu, mx > acc.m[nb][e])) {
+    }
+    grow = __any_sync(0xffffffffu, grow);
+  }
+  if (grow) {
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float mx = acc.m[nb][e];
+#pragma unroll
+        for (int m = 0; m < C::MT; ++m) {
+          mx = fmaxf(mx, fmaxf(s[m][nb][e], s[m][nb][e + 2]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        // mx == -inf: nothing visible yet for this row
         const float f = mx == tq_neg_inf() ? 1.0f : tq_ex2(acc.m[nb][e] - mx);
         acc.l[nb][e] *= f;
 #pragma unroll
@@ -411,16 +456,24 @@ __device__ __forceinline__ void tq_mma_step(
           acc.o[nb][mb][e] *= f;
           acc.o[nb][mb][e + 2] *= f;
         }
+        acc.m[nb][e] = mx;
       }
-      acc.m[nb][e] = mx;
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float mx = acc.m[nb][e];
 #pragma unroll
       for (int m = 0; m < C::MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float sv = s[m][nb][e + 2 * h];
+          // masked (CHECK) scores are -inf, and so is mx while a row saw none
           const float pv = (CHECK && sv == tq_neg_inf()) ? 0.0f : tq_ex2(sv - mx);
           acc.l[nb][e] += pv;
-          s[m][nb][e + 2 * h] = pv * tl.vs[m][h]; // value scale folded into P
+          s[m][nb][e + 2 * h] = pv * __half2float(tl.vs[m][h]); // value scale folded into P
         }
       }
     }
@@ -699,14 +752,12 @@ tq_attention_mma_kernel(
 
   TQMmaCache c;
   constexpr bool k_words = C::KBITS % 32 == 0, v_words = C::VBITS % 32 == 0;
-  c.kc = k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1] + (k_words ? cc * C::KW : 0);
-  c.ks = k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1];
-  c.vc = v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1] + (v_words ? g * C::VW : 0);
-  c.vs = v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1];
-  c.kc_tok = uint32_t(p.kc_stride[2] * 4);
-  c.ks_tok = uint32_t(p.ks_stride[2] * 2);
-  c.vc_tok = uint32_t(p.vc_stride[2] * 4);
-  c.vs_tok = uint32_t(p.vs_stride[2] * 2);
+  c.kc = reinterpret_cast<const unsigned char*>(k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1]);
+  c.ks = reinterpret_cast<const unsigned char*>(k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1]);
+  c.vc = reinterpret_cast<const unsigned char*>(v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1]);
+  c.vs = reinterpret_cast<const unsigned char*>(v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1]);
+  c.kc_lane = k_words ? uint32_t(cc * C::KW * 4) : 0u;
+  c.vc_lane = v_words ? uint32_t(g * C::VW * 4) : 0u;
   c.kj = k_words ? 0 : cc;
   c.vj = v_words ? 0 : g;
 
@@ -730,17 +781,13 @@ tq_attention_mma_kernel(
   const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
   // Two tiles in flight per warp, used alternately (no register copies, so a tile's
   // loads are only waited for where it is decoded): tile a holds iteration 2i, tile b
-  // iteration 2i + 1, each reloaded right after use. Loads past the split's end re-read
-  // its last token.
+  // iteration 2i + 1, each reloaded right after use. Iterations past the split's end
+  // are not loaded (nor run); one that straddles it re-reads its last key.
   TQMmaTile<D, KB, VB, NRB> ta, tb;
-  const int t_last = t_end - 1;
   int t0 = t_begin + warp * C::TILE;
-  [[maybe_unused]] const int t_first = min(t0, t_last);
-  c.score_up = sup;
-  if (t0 < t_end) {
-    tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_last, g, cc);
-    tq_mma_load<D, KB, VB, NRB>(tb, c, min(t0 + C::STEP, t_last), t_last, g, cc);
-  }
+  [[maybe_unused]] const int t_first = t0;
+  tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_end, g, cc);
+  tq_mma_load<D, KB, VB, NRB>(tb, c, t0 + C::STEP, t_end, g, cc);
   __syncthreads(); // tables ready
 #if TQ_MMA_PROBE == 2
   uint32_t sink = 0;
@@ -750,28 +797,27 @@ tq_attention_mma_kernel(
     for (int m = 0; m < C::MT; ++m) {
       for (int i = 0; i < C::KW; ++i) sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
       for (int i = 0; i < C::VW; ++i) sink ^= tl.v[m][0][i] ^ tl.v[m][1][i] ^ tl.v[m][2][i] ^ tl.v[m][3][i];
-      sink ^= __float_as_uint(tl.ks[m][0] + tl.ks[m][1] + tl.vs[m][0] + tl.vs[m][1]);
+      sink ^= __float_as_uint(__half2float(tl.ks[m][0]) + __half2float(tl.ks[m][1]) +
+                              __half2float(tl.vs[m][0]) + __half2float(tl.vs[m][1]));
     }
     return;
 #endif
     if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
       tq_mma_step<D, KB, VB, NRB, false>(
-          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p, sup);
     } else {
       tq_mma_step<D, KB, VB, NRB, true>(
-          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p);
+          acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p, sup);
     }
   };
   for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
     run(ta, t0);
-    tq_mma_load<D, KB, VB, NRB>(
-        ta, c, TQ_MMA_PROBE == 1 ? t_first : min(t0 + 2 * C::STEP, t_last), t_last, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
     if (t0 + C::STEP >= t_end) {
       break;
     }
     run(tb, t0 + C::STEP);
-    tq_mma_load<D, KB, VB, NRB>(
-        tb, c, TQ_MMA_PROBE == 1 ? t_first : min(t0 + 3 * C::STEP, t_last), t_last, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
   }
 #if TQ_MMA_PROBE == 2
   if (sink == 0x9e3779b9u) {

@@ -230,8 +230,8 @@ AttnShape attn_shape(int d) {
 /// `slice_bits` bits: a slice of a multiple of 4 (2) whole words is read with 16-byte
 /// (8-byte) loads, so every row start must be 16 (8)-byte aligned.
 bool vector_aligned(const mx::array& codes, int slice_bits) {
-  if (slice_bits % 32 != 0) {
-    return true; // word loads
+  if (slice_bits <= 0 || slice_bits % 32 != 0) {
+    return true; // word (or, for scales, element) loads
   }
   const int nw = slice_bits / 32;
   const int vec = nw % 4 == 0 ? 4 : (nw % 2 == 0 ? 2 : 1);
@@ -250,10 +250,20 @@ bool vector_aligned(const mx::array& codes, int slice_bits) {
   return true;
 }
 
-/// `codes` itself when the kernel can read it (slices of `slice_bits` bits per lane),
-/// else a row-contiguous copy (a temporary of this launch).
-mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::CommandEncoder& enc) {
-  if (vector_aligned(codes, slice_bits)) {
+/// Whether tokens follow each other without gaps along axis 2 (codes: rows of shape(3)
+/// words; scales: one value each), as the tensor-core kernel's addressing assumes.
+bool dense_tokens(const mx::array& a) {
+  if (a.ndim() == 4) {
+    return a.strides()[3] == 1 && a.strides()[2] == a.shape(3);
+  }
+  return a.strides()[2] == 1;
+}
+
+/// `codes` itself when the kernel can read it (slices of `slice_bits` bits per lane;
+/// `dense`: a dense token axis too), else a contiguous copy (a temporary of this launch).
+mx::array readable_codes(
+    const mx::array& codes, int slice_bits, bool dense, mx::cu::CommandEncoder& enc) {
+  if (vector_aligned(codes, slice_bits) && (!dense || dense_tokens(codes))) {
     return codes;
   }
   count_buffer_copy("compressed_attention", codes);
@@ -267,8 +277,12 @@ mx::array readable_codes(const mx::array& codes, int slice_bits, mx::cu::Command
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, or
 /// TURBOQUANT_CUDA_ATTENTION=simt.
-const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb) {
+const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb, int kv_len) {
   if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
+    return nullptr;
+  }
+  // its byte offsets into one head's codes are 32-bit
+  if (int64_t(kv_len) * d * std::max(kb, vb) / 8 > int64_t(UINT32_MAX)) {
     return nullptr;
   }
   const char* choice = std::getenv("TURBOQUANT_CUDA_ATTENTION");
@@ -362,8 +376,6 @@ void attention(
   auto& enc = mx::cu::get_command_encoder(s);
   const auto& ap = prim.params();
   auto& q = inputs[0];
-  auto& ks = inputs[2];
-  auto& vs = inputs[4];
   auto& kcent = inputs[5];
   auto& vcent = inputs[6];
   auto& out = outputs[0];
@@ -386,14 +398,18 @@ void attention(
   // Tensor-core path (float16/bfloat16 queries): 8 or (head dims <= 128) 16 query rows
   // per block.
   const int nrb = rows <= 8 || D > 128 ? 1 : 2;
-  const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb);
+  const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb, ap.kv_len);
   AttnShape sh = attn_shape(D);
   // Bits of codes one lane reads per token: tensor-core kernel D/4 key and D/8 value
   // coordinates, SIMT kernel DL of each.
   const int k_slice = mma_sym != nullptr ? D / 4 * kb : sh.DL * kb;
   const int v_slice = mma_sym != nullptr ? D / 8 * vb : sh.DL * vb;
-  const mx::array kc = readable_codes(inputs[1], k_slice, enc);
-  const mx::array vc = readable_codes(inputs[3], v_slice, enc);
+  // The tensor-core kernel addresses tokens as dense rows with 32-bit byte offsets.
+  const bool dense = mma_sym != nullptr;
+  const mx::array kc = readable_codes(inputs[1], k_slice, dense, enc);
+  const mx::array vc = readable_codes(inputs[3], v_slice, dense, enc);
+  const mx::array ks = dense ? readable_codes(inputs[2], 0, true, enc) : inputs[2];
+  const mx::array vs = dense ? readable_codes(inputs[4], 0, true, enc) : inputs[4];
 
   allocate(out, enc);
   allocate(lse, enc);
