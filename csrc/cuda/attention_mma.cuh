@@ -52,6 +52,9 @@
 // a GPU; at 128 registers (K4V4, 16 warps) it costs a 4-byte spill. 0 compiles it out.
 #define TQ_MMA_TAIL 0
 #endif
+#ifndef TQ_MMA_CHAINS
+#define TQ_MMA_CHAINS 2 // independent score mma chains, head dims <= 128 (divides D / 16)
+#endif
 #ifndef TQ_MMA_PROBE
 // Measurement builds only (wrong results): 1 = decode the warp's first tile over and over
 // (reloaded from the same addresses, L1 hits: the kernel's compute time), 2 = load every
@@ -344,10 +347,10 @@ __device__ __forceinline__ void tq_mma_step(
   const uint32_t ktab = lane_base;
   const uint32_t vtab = C::VOFF + lane_base;
 
-  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. Even and
-  // odd k-blocks accumulate apart (two mma chains of half the length) where the
+  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. K-blocks
+  // kb mod NCH accumulate apart (NCH mma chains of 1/NCH the length) where the
   // registers allow it (head dims <= 128).
-  constexpr int NCH = D <= 128 ? 2 : 1;
+  constexpr int NCH = D <= 128 ? TQ_MMA_CHAINS : 1;
   float s[C::MT][NRB][4];
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
@@ -356,8 +359,10 @@ __device__ __forceinline__ void tq_mma_step(
     for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        s2[0][nb][i] = 0.0f;
-        s2[NCH - 1][nb][i] = 0.0f;
+#pragma unroll
+        for (int ch = 0; ch < NCH; ++ch) {
+          s2[ch][nb][i] = 0.0f;
+        }
       }
     }
 #pragma unroll
@@ -386,7 +391,11 @@ __device__ __forceinline__ void tq_mma_step(
     for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float sum = NCH == 2 ? s2[0][nb][i] + s2[NCH - 1][nb][i] : s2[0][nb][i];
+        float sum = s2[0][nb][i];
+#pragma unroll
+        for (int ch = 1; ch < NCH; ++ch) {
+          sum += s2[ch][nb][i];
+        }
         s[m][nb][i] = sum * (__half2float(tl.ks[m][i >> 1]) * score_up);
       }
     }
