@@ -60,7 +60,12 @@ def main():
         return
     head, src = src[hi], src[hi:]
     si = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
-    reasons = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i != si]
+    # one column per stall reason (all samples), not the totals or the not-issued subsets
+    reasons = [
+        i for i, h in enumerate(head)
+        if i != si and not h.startswith("Warp Stall Sampling") and "Not Issued" not in h
+        and (h.startswith("stall_") or "Stall" in h)
+    ]
     body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
     total = sum(number(r[si]) for r in body) or 1.0
     print(f"\ntotal stall samples {total:.0f}; top {top} instructions:")

@@ -60,8 +60,7 @@
 #ifndef TQ_MMA_PROBE
 // Measurement builds only (wrong results): 1 = decode the warp's first tile over and over
 // (reloaded from the same addresses, L1 hits: the kernel's compute time), 2 = load every
-// tile but skip
-// the decode (its memory time with the same access pattern).
+// tile but skip the decode (its memory time with the same access pattern).
 #define TQ_MMA_PROBE 0
 #endif
 #ifndef TQ_MMA_PSTRIDE

@@ -261,6 +261,7 @@ bool dense_tokens(const mx::array& a) {
 
 /// `codes` itself when the kernel can read it (slices of `slice_bits` bits per lane;
 /// `dense`: a dense token axis too), else a contiguous copy (a temporary of this launch).
+/// Scales go through it too, with slice_bits 0 (element loads: only `dense` applies).
 mx::array readable_codes(
     const mx::array& codes, int slice_bits, bool dense, mx::cu::CommandEncoder& enc) {
   if (vector_aligned(codes, slice_bits) && (!dense || dense_tokens(codes))) {
