@@ -32,7 +32,9 @@ turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
 ``k<b>v<b>`` that is not a preset name (a plain TurboQuantKVCache with those bit
 widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``PRESET@wN`` (that preset with its last N tokens in fp16),
-``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+``NAME:hostrot`` (cache NAME with the rotations run as their own
+``mx.hadamard_transform`` kernels around the ops instead of inside them, as with
+TURBOQUANT_OP_ROTATION=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -57,6 +59,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+import turboquant_mlx.cache as tq_cache
 from turboquant_mlx import _ext
 from turboquant_mlx.attention import install_hook
 from turboquant_mlx.cache import (
@@ -126,9 +129,25 @@ def weight_bytes(model):
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+class op_rotation:
+    """Runs the enclosed calls with the ops rotating (the default), or, for a cache
+    name ending in ``:hostrot``, with the rotations around the ops."""
+
+    def __init__(self, name):
+        self.on = not name.endswith(":hostrot")
+
+    def __enter__(self):
+        self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
+
+    def __exit__(self, *exc):
+        tq_cache._OP_ROTATION = self.saved
+        return False
+
+
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
+    name = name.removesuffix(":hostrot")
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     m = re.fullmatch(r"affine(\d)", name)
@@ -268,7 +287,8 @@ def main(argv=None):
             try:
                 t1 = time.perf_counter()
                 caches = make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
-                fill(caches, ctx, a, dtype)
+                with op_rotation(name):
+                    fill(caches, ctx, a, dtype)
                 held[name] = caches
                 t_fill[name] = time.perf_counter() - t1
             except Exception as e:  # keep measuring the other caches
@@ -283,7 +303,8 @@ def main(argv=None):
         for r in range(a.rounds):
             for name in order[r % len(order):] + order[: r % len(order)]:
                 try:
-                    t, peak, ok, cp = time_decode(model, held[name], a)
+                    with op_rotation(name):
+                        t, peak, ok, cp = time_decode(model, held[name], a)
                 except Exception as e:
                     errors[name] = e
                     continue

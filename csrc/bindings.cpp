@@ -36,21 +36,26 @@ NB_MODULE(_ext, m) {
       &tq::quantize_append,
       "codes"_a,
       "scales"_a,
-      "x_rot"_a,
+      "x"_a,
       "centroids"_a,
       "offset"_a,
       "bits"_a,
       nb::kw_only(),
+      "rotation_signs"_a = nb::none(),
       "stream"_a = nb::none(),
-      R"(Quantize rotated tokens into the cache buffers at ``offset``.
+      R"(Quantize tokens into the cache buffers at ``offset``.
 
         Args:
             codes (array): ``uint32`` cache codes, shape ``(B, H, capacity, D*bits/32)``.
             scales (array): ``float16`` per-token scales, shape ``(B, H, capacity)``.
-            x_rot (array): rotated new tokens, shape ``(B, H, L, D)``.
+            x (array): new tokens, shape ``(B, H, L, D)``, rotated, or in model space
+                with ``rotation_signs``.
             centroids (array): the ``2**bits`` codebook values.
             offset (int): first token slot written.
             bits (int): 2, 3 or 4.
+            rotation_signs (list[float], optional): the ``D`` signs ``s`` of the
+                rotation ``R = H diag(s) / sqrt(D)`` (power-of-two ``D``), which the
+                kernels then apply to ``x`` themselves.
 
         Returns:
             list[array]: the updated ``[codes, scales]``; they reuse the input buffers
@@ -59,7 +64,7 @@ NB_MODULE(_ext, m) {
   m.def(
       "compressed_attention",
       &tq::compressed_attention,
-      "q_rot"_a,
+      "q"_a,
       "k_codes"_a,
       "k_scales"_a,
       "v_codes"_a,
@@ -75,14 +80,20 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "tail_k"_a = nb::none(),
       "tail_v"_a = nb::none(),
+      "rotation_signs"_a = nb::none(),
+      "rotate_output"_a = true,
       "stream"_a = nb::none(),
-      R"(Attention of rotated queries ``(B, Hq, L<=8, D)`` over the compressed cache
-        and, when given, the tail: up to 256 uncompressed keys and values
-        ``(B, Hkv, T, D)`` in the same rotated space that every query sees.
+      R"(Attention of queries ``(B, Hq, L<=8, D)`` over the compressed cache and, when
+        given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)`` in
+        the rotated space that every query sees.
+
+        The queries are rotated, or in model space with ``rotation_signs`` (see
+        ``quantize_append``): the kernels rotate them, and with ``rotate_output``
+        (values stored rotated) return ``out`` in model space.
 
         Returns:
-            list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 in rotated
-            space and the log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.)");
+            list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 and the
+            log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.)");
 
   m.def(
       "dequantize",

@@ -37,7 +37,8 @@ void dequantize(
 
 /// Arguments of the split-K merge over the query rows of `q` (B, Hq, L, D) with
 /// `splits` partials each, and of the tail when the attention op has one (its last two
-/// inputs, (B, Hkv, T, D)). Shared by the backends' `attention`.
+/// inputs, (B, Hkv, T, D)), with the op's rotation (the merge writes R^T out when
+/// ap.rotate_output). Shared by the backends' `attention`.
 inline TQMergeParams merge_params(
     const mx::array& q,
     const AttentionParams& ap,
@@ -51,6 +52,8 @@ inline TQMergeParams merge_params(
   mp.q_len = q.shape(2);
   mp.gqa = q.shape(1) / kv_heads;
   mp.scale_log2 = ap.scale * 1.4426950408889634f;
+  mp.rot = kernel_rotation(ap.rotation, q.shape(3));
+  mp.unrotate_out = ap.rotate_output ? 1 : 0;
   if (ap.has_tail) {
     const auto& tk = inputs[inputs.size() - 2];
     const auto& tv = inputs.back();

@@ -122,6 +122,51 @@ int check_cache(
   return codes.shape(2);
 }
 
+// The rotation of `rotation_signs` (D values, each +1 or -1) for x's head dim.
+std::optional<SignedHadamard> signed_hadamard(
+    const char* op,
+    const std::optional<std::vector<float>>& rotation_signs,
+    int head_dim) {
+  if (!rotation_signs) {
+    return std::nullopt;
+  }
+  if ((head_dim & (head_dim - 1)) != 0) {
+    fail(
+        op,
+        "rotation_signs need a power-of-two head dim (a Hadamard rotation), got head dim ",
+        head_dim,
+        "; rotate the inputs before the op instead.");
+  }
+  if (static_cast<int>(rotation_signs->size()) != head_dim) {
+    fail(
+        op,
+        "rotation_signs must hold one sign per coordinate (",
+        head_dim,
+        "), got ",
+        rotation_signs->size(),
+        ".");
+  }
+  SignedHadamard r;
+  for (int d = 0; d < head_dim; ++d) {
+    float v = (*rotation_signs)[d];
+    if (v != 1.0f && v != -1.0f) {
+      fail(op, "rotation_signs must be +1 or -1, got ", v, " at coordinate ", d, ".");
+    }
+    if (v < 0.0f) {
+      r.sign_bits[d >> 5] |= 1u << (d & 31);
+    }
+  }
+  return r;
+}
+
+// Token vectors as the quantizer reads them: float32 on the CPU; the GPU kernels also
+// read float16/bfloat16 as they are (no conversion kernel before a decode step's append).
+mx::array quantizer_input(const mx::array& x, const mx::Stream& stream) {
+  const bool half =
+      stream.device == mx::Device::gpu && (x.dtype() == mx::float16 || x.dtype() == mx::bfloat16);
+  return mx::contiguous(half ? x : mx::astype(x, mx::float32, stream), false, stream);
+}
+
 } // namespace
 
 int words_per_token(int head_dim, int bits) {
@@ -133,18 +178,19 @@ int words_per_token(int head_dim, int bits) {
 std::vector<mx::array> quantize_append(
     const mx::array& codes,
     const mx::array& scales,
-    const mx::array& x_rot,
+    const mx::array& x,
     const mx::array& centroids,
     int offset,
     int bits,
+    const std::optional<std::vector<float>>& rotation_signs,
     mx::StreamOrDevice s) {
   constexpr const char* op = "quantize_append";
   int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
-  check_float(op, "x", x_rot);
-  if (x_rot.ndim() != 4) {
-    fail(op, "x must have shape (B, H, L, D), got ", shape_str(x_rot.shape()), ".");
+  check_float(op, "x", x);
+  if (x.ndim() != 4) {
+    fail(op, "x must have shape (B, H, L, D), got ", shape_str(x.shape()), ".");
   }
-  int head_dim = x_rot.shape(3);
+  int head_dim = x.shape(3);
   check_head_dim(op, head_dim);
   if (head_dim * bits / 32 != codes.shape(3)) {
     fail(
@@ -157,16 +203,16 @@ std::vector<mx::array> quantize_append(
         bits,
         " bits.");
   }
-  if (x_rot.shape(0) != codes.shape(0) || x_rot.shape(1) != codes.shape(1)) {
+  if (x.shape(0) != codes.shape(0) || x.shape(1) != codes.shape(1)) {
     fail(
         op,
         "x has batch/heads ",
-        shape_str(x_rot.shape()),
+        shape_str(x.shape()),
         " but the cache has ",
         shape_str(codes.shape()),
         ".");
   }
-  int length = x_rot.shape(2);
+  int length = x.shape(2);
   if (offset < 0) {
     fail(op, "offset must be >= 0, got ", offset, ".");
   }
@@ -181,9 +227,10 @@ std::vector<mx::array> quantize_append(
         capacity,
         ".");
   }
+  auto rotation = signed_hadamard(op, rotation_signs, head_dim);
   auto stream = mx::to_stream(s);
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
-  auto x = mx::contiguous(mx::astype(x_rot, mx::float32, stream), false, stream);
+  auto tokens = quantizer_input(x, stream);
   auto c = mx::astype(centroids, mx::float32, stream);
   // The cache buffers go in as they are, one node each, so each node can donate its
   // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
@@ -191,14 +238,14 @@ std::vector<mx::array> quantize_append(
     return mx::array(
         buffer.shape(),
         buffer.dtype(),
-        std::make_shared<QuantizeAppend>(stream, bits, offset, target),
-        {buffer, x, c});
+        std::make_shared<QuantizeAppend>(stream, bits, offset, target, rotation),
+        {buffer, tokens, c});
   };
   return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
 }
 
 std::vector<mx::array> compressed_attention(
-    const mx::array& q_rot,
+    const mx::array& q,
     const mx::array& k_codes,
     const mx::array& k_scales,
     const mx::array& v_codes,
@@ -213,16 +260,18 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& tail_k,
     const std::optional<mx::array>& tail_v,
+    const std::optional<std::vector<float>>& rotation_signs,
+    bool rotate_output,
     mx::StreamOrDevice s) {
   constexpr const char* op = "compressed_attention";
   int k_cap = check_cache(op, "key", k_codes, k_scales, k_centroids, key_bits);
   int v_cap = check_cache(op, "value", v_codes, v_scales, v_centroids, value_bits);
-  check_float(op, "queries", q_rot);
-  if (q_rot.ndim() != 4) {
-    fail(op, "queries must have shape (B, Hq, L, D), got ", shape_str(q_rot.shape()), ".");
+  check_float(op, "queries", q);
+  if (q.ndim() != 4) {
+    fail(op, "queries must have shape (B, Hq, L, D), got ", shape_str(q.shape()), ".");
   }
-  int batch = q_rot.shape(0), n_q_heads = q_rot.shape(1), q_len = q_rot.shape(2),
-      head_dim = q_rot.shape(3);
+  int batch = q.shape(0), n_q_heads = q.shape(1), q_len = q.shape(2),
+      head_dim = q.shape(3);
   check_head_dim(op, head_dim);
   if (q_len < 1 || q_len > 8) {
     fail(
@@ -287,9 +336,9 @@ std::vector<mx::array> compressed_attention(
   // The GPU kernels read float16 / bfloat16 queries as they are (CUDA runs them on
   // tensor cores); the CPU kernel reads float32.
   const bool half_q = stream.device == mx::Device::gpu &&
-      (q_rot.dtype() == mx::float16 || q_rot.dtype() == mx::bfloat16);
+      (q.dtype() == mx::float16 || q.dtype() == mx::bfloat16);
   std::vector<mx::array> inputs = {
-      mx::contiguous(half_q ? q_rot : mx::astype(q_rot, mx::float32, stream), false, stream),
+      mx::contiguous(half_q ? q : mx::astype(q, mx::float32, stream), false, stream),
       mx::contiguous(k_codes, false, stream),
       mx::contiguous(k_scales, false, stream),
       mx::contiguous(v_codes, false, stream),
@@ -320,8 +369,18 @@ std::vector<mx::array> compressed_attention(
     }
   }
   const bool has_tail = tail_k && tail_k->shape(2) > 0; // an empty tail is no tail
+  auto rotation = signed_hadamard(op, rotation_signs, head_dim);
   AttentionParams params{
-      kv_len, scale, key_bits, value_bits, causal, mask.has_value(), false, has_tail};
+      kv_len,
+      scale,
+      key_bits,
+      value_bits,
+      causal,
+      mask.has_value(),
+      false,
+      has_tail,
+      rotation,
+      rotation.has_value() && rotate_output};
   if (mask) {
     auto target = mx::Shape{batch, n_q_heads, q_len, kv_len};
     if (mask->ndim() > 4) {

@@ -1,5 +1,6 @@
 // Op functions of turboquant_mlx: validate inputs, then build the primitive.
-// All ops work in rotated space; the Python layer applies the rotation.
+// The ops work in rotated space; quantize_append and compressed_attention can also
+// apply a power-of-two head dim's rotation themselves (rotation_signs).
 // Errors are std::invalid_argument starting with "[turboquant_mlx.<op>]".
 #pragma once
 
@@ -15,26 +16,32 @@ namespace mx = mlx::core;
 /// 32-bit words one token of `head_dim` coordinates takes at `bits` per coordinate.
 int words_per_token(int head_dim, int bits);
 
-/// Quantizes `x_rot` (B, H, L, D) and writes it at token `offset` of the cache buffers
+/// Quantizes `x` (B, H, L, D) and writes it at token `offset` of the cache buffers
 /// `codes` (B, H, capacity, W) uint32 and `scales` (B, H, capacity) float16.
+/// `x` is in rotated space, or, when `rotation_signs` (the D signs s of the rotation
+/// R = H diag(s) / sqrt(D), power-of-two D) is given, in model space: the kernels
+/// rotate it.
 /// Returns the updated {codes, scales}; they reuse the input buffers when the inputs
 /// are donatable, so appending costs O(L), not O(capacity).
 std::vector<mx::array> quantize_append(
     const mx::array& codes,
     const mx::array& scales,
-    const mx::array& x_rot,
+    const mx::array& x,
     const mx::array& centroids,
     int offset,
     int bits,
+    const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
     mx::StreamOrDevice s = {});
 
-/// Attention of q_rot (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
+/// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
 /// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in the same
 /// rotated space that every query sees (fp16 sinks and the recent window of a cache),
 /// in one softmax.
-/// Returns {out (B, Hq, L, D) float32 in rotated space, lse (B, Hq, L) float32}.
+/// q is in rotated space, or, with `rotation_signs` (see quantize_append), in model
+/// space: the kernels rotate it, and with `rotate_output` return out in model space.
+/// Returns {out (B, Hq, L, D) float32, lse (B, Hq, L) float32}.
 std::vector<mx::array> compressed_attention(
-    const mx::array& q_rot,
+    const mx::array& q,
     const mx::array& k_codes,
     const mx::array& k_scales,
     const mx::array& v_codes,
@@ -49,6 +56,8 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& mask = std::nullopt,
     const std::optional<mx::array>& tail_k = std::nullopt,
     const std::optional<mx::array>& tail_v = std::nullopt,
+    const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
+    bool rotate_output = true,
     mx::StreamOrDevice s = {});
 
 /// Decodes tokens [start, start + length) into rotated-space float32 vectors

@@ -15,7 +15,8 @@ void QuantizeAppend::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
 
 bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizeAppend&>(other);
-  return bits_ == o.bits_ && offset_ == o.offset_ && target_ == o.target_;
+  return bits_ == o.bits_ && offset_ == o.offset_ && target_ == o.target_ &&
+      rotation_ == o.rotation_;
 }
 
 void CompressedAttention::eval_cpu(

@@ -3,29 +3,71 @@
 // Data layouts: docs/ARCHITECTURE.md.
 #pragma once
 
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "metal/tq_params.h"
 #include "mlx/primitives.h"
 
 namespace turboquant_mlx {
 
 namespace mx = mlx::core;
 
+/// The per-layer rotation R = H diag(s) / sqrt(D) of a power-of-two head dim, applied
+/// by a primitive itself (so that a decode step needs no rotation kernels around it):
+/// bit d of sign_bits set means s_d = -1.
+struct SignedHadamard {
+  std::array<uint32_t, 8> sign_bits{};
+
+  bool negates(int d) const {
+    return ((sign_bits[d >> 5] >> (d & 31)) & 1u) != 0u;
+  }
+  bool operator==(const SignedHadamard& o) const {
+    return sign_bits == o.sign_bits;
+  }
+};
+
+/// The rotation as the GPU kernels take it (on = 0 when there is none).
+inline TQRotation kernel_rotation(const std::optional<SignedHadamard>& r, int head_dim) {
+  TQRotation k{};
+  if (r) {
+    for (int w = 0; w < 8; ++w) {
+      k.sign_bits[w] = r->sign_bits[w];
+    }
+    k.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    k.on = 1;
+  }
+  return k;
+}
+
 /// Which cache buffer a QuantizeAppend node writes.
 enum class AppendTarget { Codes, Scales };
 
-/// Quantizes rotated tokens and writes either their packed codes or their scales into
-/// a cache buffer at `offset`. The op builds one node per buffer: a node with several
+/// Quantizes rotated tokens (or model-space tokens it rotates itself, when it holds a
+/// rotation) and writes either their packed codes or their scales into a cache buffer
+/// at `offset`. The op builds one node per buffer: a node with several
 /// outputs can never reuse (donate) its inputs' buffers in MLX, because every output
 /// holds a reference to the inputs; single-output nodes can, which makes an append
 /// O(new tokens). Each node re-derives the codes of the few new tokens, which is cheap.
-/// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x_rot (B,H,L,D) f32,
-///          centroids (2^b) f32
+/// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x (B,H,L,D) float
+///          (float32 on the CPU; GPUs also read float16/bfloat16), centroids (2^b) f32
 /// outputs: the buffer (shares the input buffer when donatable, else a copy)
 class QuantizeAppend : public mx::UnaryPrimitive {
  public:
-  QuantizeAppend(mx::Stream stream, int bits, int offset, AppendTarget target)
-      : mx::UnaryPrimitive(stream), bits_(bits), offset_(offset), target_(target) {}
+  QuantizeAppend(
+      mx::Stream stream,
+      int bits,
+      int offset,
+      AppendTarget target,
+      std::optional<SignedHadamard> rotation = std::nullopt)
+      : mx::UnaryPrimitive(stream),
+        bits_(bits),
+        offset_(offset),
+        target_(target),
+        rotation_(rotation) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
@@ -47,11 +89,16 @@ class QuantizeAppend : public mx::UnaryPrimitive {
   AppendTarget target() const {
     return target_;
   }
+  /// Set: x is in model space and is rotated before quantizing.
+  const std::optional<SignedHadamard>& rotation() const {
+    return rotation_;
+  }
 
  private:
   int bits_;
   int offset_;
   AppendTarget target_;
+  std::optional<SignedHadamard> rotation_;
 };
 
 /// Settings of one attention call over the compressed cache.
@@ -64,18 +111,25 @@ struct AttentionParams {
   bool has_mask; // inputs[7] is a mask
   bool mask_is_bool; // true: keep where mask; false: additive
   bool has_tail; // the last two inputs are the tail's keys and values
+  // Set: q is in model space (the kernels rotate it); with rotate_output the output
+  // is returned in model space too (R^T out: values are stored rotated).
+  std::optional<SignedHadamard> rotation;
+  bool rotate_output;
 
   bool operator==(const AttentionParams& o) const {
     return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
         value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
-        mask_is_bool == o.mask_is_bool && has_tail == o.has_tail;
+        mask_is_bool == o.mask_is_bool && has_tail == o.has_tail &&
+        rotation == o.rotation && rotate_output == o.rotate_output;
   }
 };
 
-/// Attention of a few queries over the compressed cache, in rotated space.
-/// inputs:  q_rot (B,Hq,L,D) float, k_codes, k_scales, v_codes, v_scales,
+/// Attention of a few queries over the compressed cache, in rotated space (or in model
+/// space, see AttentionParams::rotation).
+/// inputs:  q (B,Hq,L,D) float, k_codes, k_scales, v_codes, v_scales,
 ///          k_centroids, v_centroids [, mask (B,Hq,L,kv_len) bool/float, broadcast allowed]
-///          [, tail_k, tail_v (B,Hkv,T,D) f32: keys every query sees, unmasked]
+///          [, tail_k, tail_v (B,Hkv,T,D) f32: keys every query sees, unmasked; always
+///          in rotated space]
 /// outputs: out (B,Hq,L,D) f32, lse (B,Hq,L) f32
 class CompressedAttention : public mx::Primitive {
  public:

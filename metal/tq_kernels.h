@@ -103,6 +103,97 @@ TQ_FN float tq_mask_value(const TQ_DEV uchar* mask, int kind, int64_t at, TQ_THR
   return 0.0f;
 }
 
+// ============================================================================ rotation
+
+// R = H diag(s) / sqrt(D) applied in the kernels (TQRotation), so that a decode step
+// does not need separate rotation kernels around the ops. Butterflies run in order of
+// increasing stride, as the CPU backend's (csrc/cpu/codec.h): every pair is an exact
+// a + b, a - b of the same operands, so the quantizer's codes match it bit for bit.
+
+TQ_FN bool tq_rot_negates(TQ_CONST TQRotation& r, int d) {
+  return ((r.sign_bits[d >> 5] >> (d & 31)) & 1u) != 0u;
+}
+
+/// Butterflies over the register index of x[0..N) (stride 1, 2, ... N/2).
+template <int N>
+TQ_FN void tq_fwht_registers(TQ_THR float* x) {
+  TQ_UNROLL
+  for (int h = 1; h < N; h <<= 1) {
+    TQ_UNROLL
+    for (int i = 0; i < N; ++i) {
+      if ((i & h) == 0 && i + h < N) { // the bound only matters for N not a power of 2
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+  }
+}
+
+/// Butterflies over lane bits 1, 2, ... M/2 of `j` (the partner is lane ^ m).
+/// Uniform control flow only.
+template <int N, int M>
+TQ_FN void tq_fwht_lanes(TQ_THR float* x, int j) {
+  TQ_UNROLL
+  for (int m = 1; m < M; m <<= 1) {
+    TQ_UNROLL
+    for (int i = 0; i < N; ++i) {
+      const float o = tq_shfl_xor(x[i], m);
+      x[i] = (j & m) != 0 ? o - x[i] : x[i] + o;
+    }
+  }
+}
+
+/// x <- R x for a vector held by T adjacent lanes (a power of two dividing 32), lane j
+/// of them holding coordinates j*N .. j*N + N-1 in x[0..N). Uniform control flow only.
+template <int N, int T>
+TQ_FN void tq_rotate_blocked(TQ_THR float* x, TQ_CONST TQRotation& r, int j) {
+  TQ_UNROLL
+  for (int i = 0; i < N; ++i) {
+    x[i] = tq_rot_negates(r, j * N + i) ? -x[i] : x[i];
+  }
+  tq_fwht_registers<N>(x);
+  tq_fwht_lanes<N, T>(x, j);
+  TQ_UNROLL
+  for (int i = 0; i < N; ++i) {
+    x[i] = tq_mul_rn(x[i], r.scale);
+  }
+}
+
+/// x <- R x for a vector held by a simdgroup, lane l holding coordinates l + 32 i in
+/// x[i] (D = 32 N). Uniform control flow only.
+template <int N>
+TQ_FN void tq_rotate_strided(TQ_THR float* x, TQ_CONST TQRotation& r, int lane) {
+  TQ_UNROLL
+  for (int i = 0; i < N; ++i) {
+    x[i] = tq_rot_negates(r, lane + TQ_SIMD * i) ? -x[i] : x[i];
+  }
+  tq_fwht_lanes<N, TQ_SIMD>(x, lane);
+  tq_fwht_registers<N>(x);
+  TQ_UNROLL
+  for (int i = 0; i < N; ++i) {
+    x[i] = tq_mul_rn(x[i], r.scale);
+  }
+}
+
+/// Unnormalized Walsh-Hadamard transform of v[0..D) in threadgroup memory by NT
+/// threads (D a power of two). Starts and ends with a barrier: call it in uniform
+/// control flow.
+template <int D, int NT>
+TQ_FN void tq_fwht_threadgroup(TQ_TG float* v, int tid) {
+  TQ_UNROLL
+  for (int h = 1; h < D; h <<= 1) {
+    tq_threadgroup_barrier();
+    for (int k = tid; k < D / 2; k += NT) {
+      const int i = (k / h) * 2 * h + k % h;
+      const float a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+  }
+  tq_threadgroup_barrier();
+}
+
 // ============================================================================ attention
 
 /// Per-lane state of the attention kernel for head dim D: the query rows and the
@@ -329,8 +420,15 @@ TQ_FN void tq_attention_impl(
     const TQ_DEV QT* qp = q + b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2];
     TQ_UNROLL
     for (int i = 0; i < DL; ++i) {
-      st.q[r][i] = r < nr ? tq_to_float(qp[j * DL + i]) * p.scale_log2 : 0.0f;
+      st.q[r][i] = tq_to_float(qp[j * DL + i]);
       st.o[r][i] = 0.0f;
+    }
+    if (p.rot.on != 0) { // uniform; power-of-two D only (the op checks)
+      tq_rotate_blocked<DL, T>(st.q[r], p.rot, j);
+    }
+    TQ_UNROLL
+    for (int i = 0; i < DL; ++i) {
+      st.q[r][i] = r < nr ? st.q[r][i] * p.scale_log2 : 0.0f;
     }
     st.m[r] = tq_neg_inf();
     st.l[r] = 0.0f;
@@ -500,8 +598,19 @@ TQ_FN void tq_attention_merge_impl(
   const TQ_DEV float* tv = tail_v + b * p.tv_stride[0] + (h / p.gqa) * p.tv_stride[1];
   if (T > 0) {
     const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
-    for (int d = int(th.tid); d < D; d += NT) {
-      qs[d] = tq_to_float(qr[d]) * p.scale_log2;
+    if (p.rot.on != 0) { // uniform: q in model space, R q = H (s q) / sqrt(D)
+      for (int d = int(th.tid); d < D; d += NT) {
+        const float x = tq_to_float(qr[d]);
+        qs[d] = tq_rot_negates(p.rot, d) ? -x : x;
+      }
+      tq_fwht_threadgroup<D, NT>(qs, int(th.tid));
+      for (int d = int(th.tid); d < D; d += NT) {
+        qs[d] = qs[d] * (p.rot.scale * p.scale_log2);
+      }
+    } else {
+      for (int d = int(th.tid); d < D; d += NT) {
+        qs[d] = tq_to_float(qr[d]) * p.scale_log2;
+      }
     }
     tq_threadgroup_barrier();
     for (int j = int(th.simd); j < T; j += NSG) {
@@ -586,7 +695,19 @@ TQ_FN void tq_attention_merge_impl(
       a1 += tv[j * p.tv_stride[2] + d] * tw[j];
     }
     const float acc = (a0 + a1) + (a2 + a3);
-    out[int64_t(row) * D + d] = ll > 0.0f ? acc / ll : 0.0f;
+    const float o = ll > 0.0f ? acc / ll : 0.0f;
+    if (p.unrotate_out != 0) {
+      qs[d] = o; // the tail scores are done with the query row
+    } else {
+      out[int64_t(row) * D + d] = o;
+    }
+  }
+  if (p.unrotate_out != 0) { // uniform: R^T o = s (H o) / sqrt(D)
+    tq_fwht_threadgroup<D, NT>(qs, int(th.tid));
+    for (int d = int(th.tid); d < D; d += NT) {
+      const float y = qs[d] * p.rot.scale;
+      out[int64_t(row) * D + d] = tq_rot_negates(p.rot, d) ? -y : y;
+    }
   }
   if (th.tid == 0) {
     lse[row] = ll > 0.0f ? (mm + tq_log2(ll)) * 0.6931471805599453f : tq_neg_inf();
@@ -595,18 +716,18 @@ TQ_FN void tq_attention_merge_impl(
 
 // ============================================================================ quantize
 
-/// Quantizes token vectors of x (rotated space) and writes their packed codes or
-/// their scales into the cache buffer at token slot offset + position. One
-/// simdgroup per vector; the arithmetic follows docs/ARCHITECTURE.md in the same
-/// order as the CPU backend (sequential float32 sums, never fused), so that codes
-/// and scales match it bit for bit.
-///   x (batch, heads, length, D) float; cent (2^B) float
+/// Quantizes token vectors of x (rotated space, or model space rotated here when
+/// p.rot.on) and writes their packed codes or their scales into the cache buffer at
+/// token slot offset + position. One simdgroup per vector; the arithmetic follows
+/// docs/ARCHITECTURE.md in the same order as the CPU backend (sequential float32 sums,
+/// never fused), so that codes and scales match it bit for bit.
+///   x (batch, heads, length, D) XT (float, half, bfloat16 bits); cent (2^B) float
 ///   codes (batch, heads, cap, D*B/32) uint [write_codes]; scales (batch, heads, cap) half
 /// Grid: ceil(batch*heads*length / TQ_QUANT_SIMDGROUPS) threadgroups of TQ_QUANT_THREADS;
 /// smem: 32 + TQ_QUANT_SIMDGROUPS * 2 * D floats.
-template <int D, int B>
+template <typename XT, int D, int B>
 TQ_FN void tq_quantize_impl(
-    const TQ_DEV float* TQ_RESTRICT x,
+    const TQ_DEV XT* TQ_RESTRICT x,
     const TQ_DEV float* TQ_RESTRICT cent,
     TQ_DEV tq_uint* TQ_RESTRICT codes,
     TQ_DEV tq_half* TQ_RESTRICT scales,
@@ -635,11 +756,19 @@ TQ_FN void tq_quantize_impl(
   const int pos = v % p.length;
   const int h = (v / p.length) % p.heads;
   const int b = v / (p.length * p.heads);
-  const TQ_DEV float* xp = x + b * p.x_stride[0] + h * p.x_stride[1] + pos * p.x_stride[2];
+  const TQ_DEV XT* xp = x + b * p.x_stride[0] + h * p.x_stride[1] + pos * p.x_stride[2];
 
+  float xr[PER];
   TQ_UNROLL
   for (int k = 0; k < PER; ++k) {
-    yv[int(th.lane) + k * TQ_SIMD] = xp[int(th.lane) + k * TQ_SIMD];
+    xr[k] = tq_to_float(xp[int(th.lane) + k * TQ_SIMD]);
+  }
+  if (p.rot.on != 0) { // uniform
+    tq_rotate_strided<PER>(xr, p.rot, int(th.lane));
+  }
+  TQ_UNROLL
+  for (int k = 0; k < PER; ++k) {
+    yv[int(th.lane) + k * TQ_SIMD] = xr[k];
   }
   tq_simdgroup_barrier();
 
@@ -804,9 +933,9 @@ template <typename QT, int D>
   tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, th);
 }
 
-template <int D, int B>
+template <typename XT, int D, int B>
 [[kernel]] void tq_quantize(
-    const device float* x [[buffer(0)]],
+    const device XT* x [[buffer(0)]],
     const device float* cent [[buffer(1)]],
     device uint* codes [[buffer(2)]],
     device half* scales [[buffer(3)]],
@@ -817,7 +946,7 @@ template <int D, int B>
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_quantize_impl<D, B>(x, cent, codes, scales, p, smem, th);
+  tq_quantize_impl<XT, D, B>(x, cent, codes, scales, p, smem, th);
 }
 
 template <int B>

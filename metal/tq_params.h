@@ -28,6 +28,16 @@
 /// reduction scratch.
 #define TQ_MERGE_SMEM (TQ_MAX_SPLITS + TQ_MAX_TAIL + 256 + 16)
 
+/// The per-layer rotation R = H diag(s) / sqrt(D) of a power-of-two head dim D (H the
+/// Walsh-Hadamard matrix in Sylvester order), for kernels that apply it themselves
+/// instead of reading inputs that were rotated before: bit d of sign_bits set means
+/// s_d = -1. on == 0: no rotation to apply.
+struct TQRotation {
+  unsigned int sign_bits[8];
+  float scale; // 1 / sqrt(D)
+  int on;
+};
+
 /// How the attention kernel for head dim D lays out its work.
 ///   T  lanes share one token (each holds DL = D/T coordinates of q, k, v and o);
 ///   GS = 32/T tokens are read side by side by one simdgroup;
@@ -72,6 +82,7 @@ struct TQAttnParams {
   float scale_log2; // softmax scale * log2(e)
   int causal; // 1: query i sees keys j <= kv_len - q_len + i
   int mask_kind; // 0 none, 1 bool (keep where true), 2 float32, 3 float16, 4 bfloat16 (additive)
+  TQRotation rot; // rot.on: q is in model space, the kernel rotates it
 };
 // Code rows must allow the kernel's vector loads: when a lane reads 2 or 4 whole words
 // of a token, every (batch, head, token) row start is 8 / 16-byte aligned (the host
@@ -91,9 +102,13 @@ struct TQMergeParams {
   int gqa; // q_heads / kv_heads
   int tail_len; // 0: no tail
   float scale_log2; // softmax scale * log2(e)
+  int unrotate_out; // 1: write R^T out (values are stored rotated, the caller wants
+                    // the model's space)
+  TQRotation rot; // rot.on: q is in model space (rotated here for the tail scores);
+                  // also the R of unrotate_out
 };
 
-/// Quantize-and-append: x (batch, heads, length, D) float32.
+/// Quantize-and-append: x (batch, heads, length, D) float32, float16 or bfloat16.
 struct TQQuantParams {
   int64_t x_stride[3]; // batch, head, position (last axis contiguous)
   int64_t c_stride[3]; // codes buffer: batch, head, token (words)
@@ -103,6 +118,7 @@ struct TQQuantParams {
   int length;
   int offset; // first token slot written
   int write_codes; // 1: write packed codes, 0: write scales
+  TQRotation rot; // rot.on: x is in model space, the kernel rotates it first
 };
 
 /// Dequantize tokens [start, start + length) to float32 (batch, heads, length, D).

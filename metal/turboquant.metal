@@ -2,7 +2,7 @@
 // (csrc/metal/eval_metal.cpp) builds the same names:
 //   tq_attention_<float32|float16|bfloat16>_d<D>_k<key bits>_v<value bits>
 //   tq_attention_merge_<float32|float16|bfloat16>_d<D>
-//   tq_quantize_d<D>_b<bits>
+//   tq_quantize_<float32|float16|bfloat16>_d<D>_b<bits>
 //   tq_dequantize_b<bits>
 //   tq_copy_u32, tq_copy_u16
 // D runs over the head dims the kernels support: multiples of 32 from 32 to 256.
@@ -38,11 +38,16 @@
   TQ_MERGE_ONE(float16, half, d)     \
   TQ_MERGE_ONE(bfloat16, ushort, d)
 
-#define TQ_PER_DIM(d)                                              \
-  TQ_ATTN_Q(d)                                                     \
-  TQ_INSTANTIATE("tq_quantize_d" #d "_b2", tq_quantize, d, 2)      \
-  TQ_INSTANTIATE("tq_quantize_d" #d "_b3", tq_quantize, d, 3)      \
-  TQ_INSTANTIATE("tq_quantize_d" #d "_b4", tq_quantize, d, 4)
+#define TQ_QUANT_X(xname, xtype, d)                                            \
+  TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b2", tq_quantize, xtype, d, 2) \
+  TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b3", tq_quantize, xtype, d, 3) \
+  TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b4", tq_quantize, xtype, d, 4)
+
+#define TQ_PER_DIM(d)                 \
+  TQ_ATTN_Q(d)                        \
+  TQ_QUANT_X(float32, float, d)       \
+  TQ_QUANT_X(float16, half, d)        \
+  TQ_QUANT_X(bfloat16, ushort, d)
 
 TQ_PER_DIM(32)
 TQ_PER_DIM(64)

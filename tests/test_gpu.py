@@ -26,7 +26,9 @@ from helpers import (
     reference_cache,
     to_np,
 )
+from test_rotation_in_ops import run_model_space_attention
 from turboquant_mlx import _ext, ops, reference
+from turboquant_mlx.rotation import Rotation
 
 HAS_GPU_KERNELS = mx.is_available(mx.gpu) and _ext.gpu_available()
 
@@ -88,6 +90,32 @@ def test_quantize_append_bit_exact_vs_cpu(head_dim, bits):
     np.testing.assert_array_equal(
         gpu_s[:, :, untouched], scales.view(np.uint16)[:, :, untouched]
     )
+
+
+@pytest.mark.parametrize("x_dtype", (mx.float32, mx.float16, mx.bfloat16))
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("head_dim", (32, 64, 128, 256))
+def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype):
+    # Model-space tokens rotated by the kernels: the GPU's butterflies pair the same
+    # operands as the CPU backend's, so codes and scales still match bit for bit.
+    rng = np.random.default_rng(300 * head_dim + bits)
+    batch, heads, length, capacity, offset = 2, 3, 21, 30, 4
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    x = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
+    signs = Rotation(head_dim, seed=bits).kernel_signs
+    c = mx.array(centroids_np(head_dim, bits))
+    results = []
+    for device in (mx.Device(mx.cpu), gpu()):
+        out = ops.quantize_append(
+            mx.array(words), mx.array(scales), x, c, offset, bits, rotation_signs=signs,
+            stream=device,
+        )
+        mx.eval(*out)
+        results.append((bits_of(out[0]), bits_of(out[1])))
+    (cpu_w, cpu_s), (gpu_w, gpu_s) = results
+    np.testing.assert_array_equal(gpu_w, cpu_w)
+    np.testing.assert_array_equal(gpu_s, cpu_s)
+    assert not np.array_equal(cpu_w, words)  # something was written
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -480,6 +508,31 @@ def test_attention_with_tail(monkeypatch, q_dtype, kernel, splits):
             causal=causal, q_dtype=q_dtype,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
+
+
+@pytest.mark.parametrize("splits", ("auto", "1"))
+@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_attention_model_space_queries(monkeypatch, head_dim, q_dtype, kernel, splits):
+    # rotation_signs: the kernels rotate the queries (the tensor-core kernel in its
+    # query fragments, the portable one in its registers, the merge for the tail's
+    # scores) and the merge rotates the output back, also with a single split.
+    if kernel == "simt":
+        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+    if splits != "auto":
+        monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    rng = np.random.default_rng(head_dim + 7)
+    rtol = rtol_for(q_dtype, head_dim, 4, 4)
+    for kv_len, q_len, tail, rotate_output in ((40, 1, 0, True), (6000, 3, 0, False),
+                                               (900, 2, 12, True)):
+        out, lse, ref_out, ref_lse, v_max = run_model_space_attention(
+            rng, head_dim=head_dim, q_dtype=q_dtype, kv_len=kv_len, q_len=q_len, tail=tail,
+            rotate_output=rotate_output, group=8 if head_dim == 128 else 4, stream=gpu(),
+        )
+        err = np.abs(out - ref_out).max() / v_max
+        assert err <= rtol, f"kv_len {kv_len}: out error {err:.3g} of max |v|"
+        np.testing.assert_allclose(lse, ref_lse, rtol=rtol, atol=rtol)
 
 
 def test_attention_matches_cpu_op():

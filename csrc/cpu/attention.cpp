@@ -296,8 +296,10 @@ void attention(
     tail_v = inputs.back().data<float>();
     tail_len = tk.shape(2);
   }
+  const TQRotation rot = kernel_rotation(p.rotation, sh.head_dim);
   encoder.dispatch([sh,
                     p,
+                    rot,
                     mask,
                     tail_k,
                     tail_v,
@@ -311,13 +313,30 @@ void attention(
                     vcent = inputs[6].data<float>(),
                     out_ptr = out.data<float>(),
                     lse_ptr = lse.data<float>()]() {
+    const int64_t n_rows = static_cast<int64_t>(sh.batch) * sh.q_heads * sh.q_len;
+    const int D = sh.head_dim;
+    // Queries in model space: rotate them into scratch.
+    std::vector<float> q_rotated;
+    const float* q_in = q_ptr;
+    if (rot.on) {
+      q_rotated.assign(q_ptr, q_ptr + n_rows * D);
+      for (int64_t r = 0; r < n_rows; ++r) {
+        rotate_signed_hadamard(q_rotated.data() + r * D, D, rot.sign_bits, rot.scale);
+      }
+      q_in = q_rotated.data();
+    }
     dispatch_bits(p.key_bits, [&]<int KB>() {
       dispatch_bits(p.value_bits, [&]<int VB>() {
         attention_impl<KB, VB>(
-            sh, p, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v, tail_len,
+            sh, p, q_in, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v, tail_len,
             out_ptr, lse_ptr);
       });
     });
+    if (p.rotate_output) {
+      for (int64_t r = 0; r < n_rows; ++r) {
+        unrotate_signed_hadamard(out_ptr + r * D, D, rot.sign_bits, rot.scale);
+      }
+    }
   });
 }
 

@@ -73,7 +73,9 @@ void quantize_append(
   int capacity = out.shape(2);
   bool write_codes = prim.target() == AppendTarget::Codes;
   int words = write_codes ? out.shape(3) : 0;
+  TQRotation rot = kernel_rotation(prim.rotation(), head_dim);
   encoder.dispatch([x_ptr = x.data<float>(),
+                    rot,
                     c_ptr = centroids.data<float>(),
                     codes_ptr = write_codes ? out.data<uint32_t>() : nullptr,
                     scales_ptr = write_codes ? nullptr : out.data<mx::float16_t>(),
@@ -103,6 +105,17 @@ void quantize_append(
         }
       }
     }
+    // Model-space tokens: rotate them first, into scratch.
+    std::vector<float> rotated;
+    const float* y_ptr = x_ptr;
+    if (rot.on) {
+      rotated.assign(x_ptr, x_ptr + static_cast<int64_t>(n_vectors) * head_dim);
+      for (int v = 0; v < n_vectors; ++v) {
+        rotate_signed_hadamard(
+            rotated.data() + static_cast<int64_t>(v) * head_dim, head_dim, rot.sign_bits, rot.scale);
+      }
+      y_ptr = rotated.data();
+    }
     // Quantize everything into scratch first, so that a token whose scale does not
     // fit float16 is refused before anything is written.
     auto bounds = boundaries(c_ptr, bits);
@@ -112,7 +125,7 @@ void quantize_append(
         n_vectors,
         [&](int v) {
           results[v] = quantize_vector(
-              x_ptr + static_cast<int64_t>(v) * head_dim,
+              y_ptr + static_cast<int64_t>(v) * head_dim,
               head_dim,
               c_ptr,
               bounds,

@@ -726,9 +726,19 @@ tq_attention_mma_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t at = base + cc * (D / 4) + 4 * kb + e;
-        float x = q_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[at])
-                         : __half2float(reinterpret_cast<const __half*>(q)[at]);
-        x = r < nr ? x * p.scale_log2 : 0.0f;
+        qv[nb][kb][e] = q_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[at])
+                               : __half2float(reinterpret_cast<const __half*>(q)[at]);
+      }
+    }
+    // q in model space: R q, the 4 lanes of a row holding its quarters (uniform).
+    if (p.rot.on != 0) {
+      tq_rotate_blocked<D / 4, 4>(&qv[nb][0][0], p.rot, cc);
+    }
+#pragma unroll
+    for (int kb = 0; kb < KBLK; ++kb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = r < nr ? qv[nb][kb][e] * p.scale_log2 : 0.0f;
         qv[nb][kb][e] = x;
         qmax = fmaxf(qmax, fabsf(x));
       }

@@ -357,11 +357,15 @@ void quantize_append(
   if (n == 0) {
     return;
   }
-  auto f = get_function(ck::quantize_kernel(head_dim, prim.bits()), "quantize_append");
+  p.rot = kernel_rotation(prim.rotation(), head_dim);
+  const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
+      : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
+                                                 : ck::QType::Float32;
+  auto f = get_function(ck::quantize_kernel(head_dim, prim.bits(), xt), "quantize_append");
   enc.set_input_array(x);
   enc.set_input_array(cent);
   enc.set_output_array(out);
-  const float* xp = cptr<float>(x);
+  const void* xp = mx::gpu_ptr<void>(x);
   const float* cp = cptr<float>(cent);
   unsigned int* cw = codes ? mptr<unsigned int>(out) : nullptr;
   void* sc = codes ? nullptr : mx::gpu_ptr<void>(out);
@@ -435,6 +439,7 @@ void attention(
   p.rows_per_tg = mma_sym != nullptr ? chunk_rows : (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
+  p.rot = kernel_rotation(ap.rotation, D);
 
   const unsigned char* mask_ptr = nullptr;
   if (ap.has_mask) {
@@ -480,9 +485,10 @@ void attention(
 #if TQ_MMA_TAIL
   const char* tail_env = std::getenv("TURBOQUANT_ATTN_TAIL");
   tail_in_kernel = ap.has_tail && mma_sym != nullptr && tail_env != nullptr &&
-      std::string(tail_env) == "kernel";
+      std::string(tail_env) == "kernel" && !ap.rotation;
 #endif
-  const bool partials = splits > 1 || (ap.has_tail && !tail_in_kernel);
+  // The merge also rotates the output back to model space.
+  const bool partials = splits > 1 || (ap.has_tail && !tail_in_kernel) || ap.rotate_output;
   p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;

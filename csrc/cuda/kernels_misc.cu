@@ -22,12 +22,22 @@ const void* attention_merge_kernel(int d, QType q) {
   return k;
 }
 
-const void* quantize_kernel(int d, int b) {
+const void* quantize_kernel(int d, int b, QType x) {
   const void* k = nullptr;
   dispatch_head_dim(d, [&](auto dd) {
     dispatch_bits(b, [&](auto bb) {
-      k = reinterpret_cast<const void*>(
-          &tq_quantize_kernel<decltype(dd)::value, decltype(bb)::value>);
+      constexpr int D = decltype(dd)::value, B = decltype(bb)::value;
+      switch (x) {
+        case QType::Float32:
+          k = reinterpret_cast<const void*>(&tq_quantize_kernel<float, D, B>);
+          break;
+        case QType::Float16:
+          k = reinterpret_cast<const void*>(&tq_quantize_kernel<__half, D, B>);
+          break;
+        case QType::BFloat16:
+          k = reinterpret_cast<const void*>(&tq_quantize_kernel<unsigned short, D, B>);
+          break;
+      }
     });
   });
   return k;

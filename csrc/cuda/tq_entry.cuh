@@ -53,15 +53,15 @@ __global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
   tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, tq_thread());
 }
 
-template <int D, int B>
+template <typename XT, int D, int B>
 __global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_kernel(
-    const float* __restrict__ x,
+    const XT* __restrict__ x,
     const float* __restrict__ cent,
     unsigned int* __restrict__ codes,
     __half* __restrict__ scales,
     const __grid_constant__ TQQuantParams p) {
   __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
-  tq_quantize_impl<D, B>(x, cent, codes, scales, p, smem, tq_thread());
+  tq_quantize_impl<XT, D, B>(x, cent, codes, scales, p, smem, tq_thread());
 }
 
 template <int B>
@@ -100,7 +100,7 @@ const void* attention_kernel_f16_hi(int d, int kb, int vb);
 const void* attention_kernel_bf16_lo(int d, int kb, int vb);
 const void* attention_kernel_bf16_hi(int d, int kb, int vb);
 const void* attention_merge_kernel(int d, QType q);
-const void* quantize_kernel(int d, int b);
+const void* quantize_kernel(int d, int b, QType x);
 const void* dequantize_kernel(int b);
 const void* copy_kernel(int itemsize);
 

@@ -197,12 +197,17 @@ void quantize_append(
   p.length = x.shape(2);
   p.offset = prim.offset();
   p.write_codes = codes ? 1 : 0;
+  p.rot = kernel_rotation(prim.rotation(), head_dim);
   const int64_t n = int64_t(p.batch) * p.heads * p.length;
   if (n == 0) {
     return;
   }
   std::ostringstream name;
-  name << "tq_quantize_d" << head_dim << "_b" << prim.bits();
+  name << "tq_quantize_"
+       << (x.dtype() == mx::float16       ? "float16"
+               : x.dtype() == mx::bfloat16 ? "bfloat16"
+                                           : "float32")
+       << "_d" << head_dim << "_b" << prim.bits();
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
   enc.set_input_array(x, 0);
@@ -265,6 +270,7 @@ void attention(
   p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
+  p.rot = kernel_rotation(ap.rotation, D);
   if (ap.has_mask) {
     auto& m = inputs[7];
     for (int a = 0; a < 4; ++a) {
@@ -297,8 +303,9 @@ void attention(
   splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
   p.n_splits = splits;
   p.split_len = split_len;
-  // A tail is attended to by the merge, so a single split also writes partials.
-  const bool partials = splits > 1 || ap.has_tail;
+  // A tail is attended to by the merge, which also rotates the output back to model
+  // space, so a single split then writes partials too.
+  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output;
   p.partials = partials ? 1 : 0;
 
   const int rows_total = B * Hq * L;

@@ -159,6 +159,12 @@ def _half_queries_on_gpu(dtype) -> bool:
 
 _COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
 
+# Head dims 2^k: the ops apply the rotation themselves (rotation_signs), so a decode
+# step has no rotation kernels of its own: the append rotates the new keys and values,
+# the attention op the queries and (values stored rotated) its output.
+# TURBOQUANT_OP_ROTATION=0 rotates with mx.hadamard_transform around the ops instead.
+_OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
+
 
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
@@ -171,6 +177,8 @@ def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale
         values = values - mu_v
     if key_scale is not None:
         keys = keys * key_scale
+    if signs is None and matrix is None:  # the op rotates them
+        return keys, values
     keys = rotate_forward(keys, signs, matrix, rot_scale)
     if rotate_values:
         values = rotate_forward(values, signs, matrix, rot_scale)
@@ -179,14 +187,19 @@ def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale
 
 def _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype):
     """Queries ``(B, H_q, L, D)`` in the space of the stored keys: divided by the
-    per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated; float32,
-    or the queries' dtype when ``keep_dtype``."""
+    per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated (unless
+    ``signs`` and ``matrix`` are None: the op rotates them); float32, or the queries'
+    dtype when ``keep_dtype``."""
     dtype = q.dtype if keep_dtype else mx.float32
+    if key_scale is None and signs is None and matrix is None:
+        return q.astype(dtype)
     q = q.astype(mx.float32)
     if key_scale is not None:
         B, n_q, L, D = q.shape
         H = key_scale.shape[1]
         q = (q.reshape(B, H, n_q // H, L, D) / key_scale[:, :, None]).reshape(B, n_q, L, D)
+    if signs is None and matrix is None:
+        return q.astype(dtype)
     return rotate_forward(q, signs, matrix, rot_scale).astype(dtype)
 
 
@@ -230,13 +243,15 @@ def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
 
 
 def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_v,
-                   rotate_values, dense_k, dense_v):
+                   rotate_values, dense_k, dense_v, rotate_q=True):
     """The op's inputs for a decode step whose fp16 segments (sinks, window; lists of
-    ``(B, H_kv, n, D)``) go in as its tail: the queries in code space and the segments
-    as the codec would quantize them (centered, scaled, rotated), float32. Scores and
-    values of the tail are then in the compressed tokens' space, so one softmax covers
-    both: centering shifts every score of a query by the same amount."""
-    q_codes = _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype)
+    ``(B, H_kv, n, D)``) go in as its tail: the queries in code space (not rotated when
+    ``rotate_q`` is False: the op rotates them) and the segments as the codec would
+    quantize them (centered, scaled, rotated), float32. Scores and values of the tail
+    are then in the compressed tokens' space, so one softmax covers both: centering
+    shifts every score of a query by the same amount."""
+    q_codes = _queries_to_codes(q, key_scale, signs if rotate_q else None,
+                                matrix if rotate_q else None, rot_scale, keep_dtype)
     if not dense_k:
         return q_codes, None, None
     k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
@@ -535,19 +550,36 @@ class TurboQuantKVCache(_BaseCache):
             return
         # Decode-sized appends have a fixed shape: compiled (see _COMPILE).
         fn = _fused_to_code_space if _COMPILE and n <= self.decode_max_queries else _to_code_space
+        # Without a window, the append op rotates (a window's tokens are quantized from
+        # the code-space copies its tail keeps, which must give the same bits).
+        signs = self._op_signs() if self.fp16_recent_tokens == 0 else None
+        if signs is None:
+            rotation = self._rotation.params()
+        elif self._mu_k is None and self._key_scale is None:
+            self._append_code_space(keys, values, signs)
+            return
+        else:
+            rotation = (None, None, 1.0)
         k_rot, v_rot = fn(keys, values, self._mu_k, self._mu_v, self._key_scale,
-                          *self._rotation.params(), self.rotate_values)
-        self._append_code_space(k_rot, v_rot)
+                          *rotation, self.rotate_values)
+        self._append_code_space(k_rot, v_rot, signs)
 
-    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array):
-        """Appends tokens already in code space (see :func:`_to_code_space`)."""
+    def _op_signs(self):
+        """The signs for ops that apply the rotation themselves, or None."""
+        return self._rotation.kernel_signs if _OP_ROTATION else None
+
+    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array, signs=None):
+        """Appends tokens in code space (see :func:`_to_code_space`), or, with
+        ``signs``, tokens not rotated yet (the op rotates them)."""
         n = k_rot.shape[2]
         self._ensure_capacity(self._n_comp + n)
         self._k_codes, self._k_scales = ops.quantize_append(
             self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
+            rotation_signs=signs,
         )
         self._v_codes, self._v_scales = ops.quantize_append(
             self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp, self.value_bits,
+            rotation_signs=signs if self.rotate_values else None,
         )
         self._n_comp += n
 
@@ -919,22 +951,25 @@ class TurboQuantKVCache(_BaseCache):
         lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
         return mx.zeros((B, n_q, L, D), dtype=mx.float32), lse
 
-    def _compressed_queries(self, q: mx.array, fused: bool = False) -> mx.array:
-        """Rotated queries for the compressed segment (divided by ``a`` first)."""
+    def _compressed_queries(self, q: mx.array, fused: bool = False, rotate: bool = True) -> mx.array:
+        """Rotated queries for the compressed segment (divided by ``a`` first; not
+        rotated when ``rotate`` is False: the op rotates them)."""
         # A half-precision model's queries stay half precision on the GPU, where the
         # CUDA build's tensor-core kernel takes them (float32 selects its exact kernel);
         # the CPU kernel gets float32.
         fn = _fused_queries_to_codes if fused else _queries_to_codes
-        return fn(q, self._key_scale, *self._rotation.params(), _half_queries_on_gpu(q.dtype))
+        signs, matrix, rot_scale = self._rotation.params() if rotate else (None, None, 1.0)
+        return fn(q, self._key_scale, signs, matrix, rot_scale, _half_queries_on_gpu(q.dtype))
 
-    def _compressed_result(self, out_rot: mx.array, lse: mx.array, q: mx.array, scale: float):
+    def _compressed_result(self, out: mx.array, lse: mx.array, q: mx.array, scale: float,
+                           op_rotated: bool = False):
         """``(out, lse)`` of the compressed segment in the model's space (see
-        :func:`_codes_to_model`)."""
-        return _codes_to_model(out_rot, lse, q, *self._model_space_args(), scale)
+        :func:`_codes_to_model`); ``op_rotated``: the op already rotated ``out`` back."""
+        return _codes_to_model(out, lse, q, *self._model_space_args(op_rotated), scale)
 
-    def _model_space_args(self):
+    def _model_space_args(self, op_rotated: bool = False):
         signs, matrix, rot_scale = self._rotation.params()
-        if not self.rotate_values:
+        if not self.rotate_values or op_rotated:
             signs = matrix = None
         return signs, matrix, rot_scale, self._mu_k, self._mu_v
 
@@ -975,17 +1010,21 @@ class TurboQuantKVCache(_BaseCache):
             parts.append(self._compressed_result(out, lse, queries, scale))
         elif c > 0:
             causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
+            signs = self._op_signs()
             out, lse = ops.compressed_attention(
-                self._compressed_queries(queries, fused=fused),
+                self._compressed_queries(queries, fused=fused, rotate=signs is None),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
                 self._k_centroids, self._v_centroids,
                 c, scale, self.key_bits, self.value_bits, causal, op_mask,
+                rotation_signs=signs, rotate_output=self.rotate_values,
             )
+            op_rotated = signs is not None
             if fused:
                 return _fused_decode_output(
-                    out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v
+                    out, lse, queries, *self._model_space_args(op_rotated), scale, dense_k,
+                    dense_v,
                 )
-            parts.append(self._compressed_result(out, lse, queries, scale))
+            parts.append(self._compressed_result(out, lse, queries, scale, op_rotated))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
@@ -1003,6 +1042,8 @@ class TurboQuantKVCache(_BaseCache):
         first, ``ns`` of them, then the window from ``wpos``), which every query sees
         whole, join the ``c`` compressed tokens as the op's tail."""
         signs, matrix, rot_scale = self._rotation.params()
+        op_signs = self._op_signs()
+        rotate_q = op_signs is None
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail
         R = self.fp16_recent_tokens
@@ -1018,7 +1059,7 @@ class TurboQuantKVCache(_BaseCache):
             q_codes, k_new, v_new = _fused_decode_inputs(
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-                [new[0]], [new[1]],
+                [new[0]], [new[1]], rotate_q,
             )
             slot = ns + (P - self.fp16_sink_tokens) % R
             tail_k[:, :, slot : slot + 1] = k_new
@@ -1030,9 +1071,7 @@ class TurboQuantKVCache(_BaseCache):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
             tail_k, tail_v = ct[0], ct[1]
-            q_codes = _fused_queries_to_codes(
-                queries, self._key_scale, signs, matrix, rot_scale,
-                _half_queries_on_gpu(queries.dtype))
+            q_codes = self._compressed_queries(queries, fused=True, rotate=rotate_q)
         else:
             # A full window goes in in ring order (position p at slot
             # ns + (p - sinks) % R), whatever the step: the tail is then the same
@@ -1050,7 +1089,7 @@ class TurboQuantKVCache(_BaseCache):
             q_codes, tail_k, tail_v = _fused_decode_inputs(
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-                dense_k, dense_v,
+                dense_k, dense_v, rotate_q,
             )
             if tail_k is not None:
                 self._code_tail = (tail_k, tail_v, ns, wpos, roll)
@@ -1065,9 +1104,10 @@ class TurboQuantKVCache(_BaseCache):
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
             causal, op_mask, tail_k=tail_k, tail_v=tail_v,
+            rotation_signs=op_signs, rotate_output=self.rotate_values,
         )
-        if not self.rotate_values:
-            signs = matrix = None
+        if not self.rotate_values or op_signs is not None:
+            signs = matrix = None  # nothing to undo here
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v, queries)
 
     def _block_sizes(self, B, n_q, L):

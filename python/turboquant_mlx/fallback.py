@@ -11,7 +11,10 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["pack", "unpack", "quantize", "quantize_append", "dequantize", "compressed_attention"]
+__all__ = [
+    "pack", "unpack", "rotate", "quantize", "quantize_append", "dequantize",
+    "compressed_attention",
+]
 
 
 @lru_cache(maxsize=None)
@@ -55,6 +58,25 @@ def pack(codes: mx.array, bits: int) -> mx.array:
             acc = acc + mx.sum(mx.take(hi, mx.array(spill[w]), axis=-1), axis=-1)
         out.append(acc.astype(mx.uint32))
     return mx.stack(out, axis=-1)
+
+
+def rotate(x: mx.array, signs, inverse: bool = False) -> mx.array:
+    """``R x`` (or ``R^T x``) in float32 for ``R = H diag(signs) / sqrt(D)``, as the
+    ops' ``rotation_signs`` define it."""
+    D = x.shape[-1]
+    s_np = np.asarray(signs, dtype=np.float32)
+    if D & (D - 1) or s_np.shape != (D,) or not np.all(np.abs(s_np) == 1.0):
+        raise ValueError(
+            f"[turboquant_mlx.rotate] rotation_signs must be {D} values of +1 or -1 for a "
+            f"power-of-two head dim; got {s_np.shape[0] if s_np.ndim == 1 else s_np.shape} "
+            f"values for head dim {D}."
+        )
+    s = mx.array(s_np)
+    x = x.astype(mx.float32)
+    scale = x.shape[-1] ** -0.5
+    if inverse:
+        return s * mx.hadamard_transform(x, scale=scale)
+    return mx.hadamard_transform(s * x, scale=scale)
 
 
 def _boundaries(centroids: mx.array) -> mx.array:

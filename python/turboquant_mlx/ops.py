@@ -1,11 +1,12 @@
-"""Public ops on the compressed cache (rotated space; see docs/ARCHITECTURE.md).
+"""Public ops on the compressed cache (rotated space, or model space for a Hadamard
+rotation the kernels apply; see docs/ARCHITECTURE.md).
 
 Each op runs the C++ primitive when the target device has kernels in this build (the
 CPU always does; the GPU when built with Metal or CUDA) and the plain-MLX fallback
 otherwise, so the package works everywhere MLX does.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -37,14 +38,20 @@ def has_kernels(stream=None) -> bool:
 def quantize_append(
     codes: mx.array,
     scales: mx.array,
-    x_rot: mx.array,
+    x: mx.array,
     centroids: mx.array,
     offset: int,
     bits: int,
     *,
+    rotation_signs: Optional[Sequence[float]] = None,
     stream=None,
 ):
-    """Quantize rotated tokens ``(B, H, L, D)`` into the cache at ``offset``.
+    """Quantize tokens ``(B, H, L, D)`` into the cache at ``offset``.
+
+    ``x`` is in rotated space, or, with ``rotation_signs`` (the signs ``s`` of the
+    rotation ``R = H diag(s) / sqrt(D)`` of a power-of-two ``D``, e.g.
+    :attr:`Rotation.kernel_signs <turboquant_mlx.rotation.Rotation.kernel_signs>`), in
+    model space: the kernels rotate it, so a decode step needs no rotation kernels.
 
     Returns:
         tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
@@ -52,12 +59,15 @@ def quantize_append(
     """
     if has_kernels(stream):
         codes, scales = _ext.quantize_append(
-            codes, scales, x_rot, centroids, offset, bits, stream=stream
+            codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
+            stream=stream,
         )
         return codes, scales
-    _ext.words_per_token(x_rot.shape[-1], bits)  # same validation as the kernel path
+    _ext.words_per_token(x.shape[-1], bits)  # same validation as the kernel path
     with mx.stream(stream) if stream is not None else _nullcontext():
-        return fallback.quantize_append(codes, scales, x_rot, centroids, offset, bits)
+        if rotation_signs is not None:
+            x = fallback.rotate(x, rotation_signs)
+        return fallback.quantize_append(codes, scales, x, centroids, offset, bits)
 
 
 # Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
@@ -65,7 +75,7 @@ MAX_TAIL_TOKENS = _ext.MAX_TAIL_TOKENS
 
 
 def compressed_attention(
-    q_rot: mx.array,
+    q: mx.array,
     k_codes: mx.array,
     k_scales: mx.array,
     v_codes: mx.array,
@@ -81,29 +91,42 @@ def compressed_attention(
     *,
     tail_k: Optional[mx.array] = None,
     tail_v: Optional[mx.array] = None,
+    rotation_signs: Optional[Sequence[float]] = None,
+    rotate_output: bool = True,
     stream=None,
 ):
-    """Attention of rotated queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens
-    and, when given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)``
-    in the same rotated space that every query sees, unmasked (a cache's fp16 sinks and
-    recent window), all in one softmax.
+    """Attention of queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens and,
+    when given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)`` in
+    the rotated space, that every query sees, unmasked (a cache's fp16 sinks and recent
+    window), all in one softmax.
+
+    The queries are rotated, or, with ``rotation_signs`` (see :func:`quantize_append`),
+    in model space: the kernels rotate them, and with ``rotate_output`` (values stored
+    rotated) rotate the output back, so that a decode step's attention is this one op.
 
     Returns:
-        tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 in rotated space and the
-        log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.
+        tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 (rotated space, or model
+        space with ``rotation_signs`` and ``rotate_output``) and the log-sum-exp
+        ``(B, Hq, L)`` of the scaled, masked scores.
     """
     if has_kernels(stream):
         out, lse = _ext.compressed_attention(
-            q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
+            q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask,
-            tail_k=tail_k, tail_v=tail_v, stream=stream,
+            tail_k=tail_k, tail_v=tail_v, rotation_signs=rotation_signs,
+            rotate_output=rotate_output, stream=stream,
         )
         return out, lse
     with mx.stream(stream) if stream is not None else _nullcontext():
-        return fallback.compressed_attention(
-            q_rot, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
+        if rotation_signs is not None:
+            q = fallback.rotate(q, rotation_signs)
+        out, lse = fallback.compressed_attention(
+            q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask, tail_k, tail_v,
         )
+        if rotation_signs is not None and rotate_output:
+            out = fallback.rotate(out, rotation_signs, inverse=True)
+        return out, lse
 
 
 def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *, stream=None):

@@ -11,6 +11,7 @@ other head dims use a seeded dense random orthogonal matrix.
 """
 
 import math
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -81,6 +82,7 @@ class Rotation:
         self._head_dim = int(head_dim)
         self._seed = int(seed)
         self._uses_hadamard = _is_hadamard_size(self._head_dim)
+        self._kernel_signs = None
         rng = np.random.default_rng(seed)
         if self._uses_hadamard:
             self._signs_np = (2 * rng.integers(0, 2, self._head_dim) - 1).astype(np.float32)
@@ -138,6 +140,19 @@ class Rotation:
             A float32 array of the same shape.
         """
         return rotate_inverse(self._check(y), *self.params())
+
+    @property
+    def kernel_signs(self) -> Optional[Tuple[float, ...]]:
+        """The signs ``s`` for ops that apply the rotation in their kernels
+        (``rotation_signs`` of :func:`turboquant_mlx.ops.quantize_append` and
+        :func:`~turboquant_mlx.ops.compressed_attention`), or None when the kernels
+        cannot: only a power-of-two head dim's Hadamard rotation."""
+        d = self._head_dim
+        if not self._uses_hadamard or d & (d - 1):
+            return None
+        if self._kernel_signs is None:
+            self._kernel_signs = tuple(float(v) for v in self._signs_np)
+        return self._kernel_signs
 
     def params(self):
         """``(signs, matrix, scale)``, the arguments of :func:`rotate_forward` and
