@@ -45,6 +45,7 @@ def run_one(a):
     from bench_gpu import random_cache
 
     from turboquant_mlx import codebook, ops
+    from turboquant_mlx.rotation import Rotation
 
     mx.set_default_device(mx.gpu)
     n, d, hq, hkv = a.context, a.head_dim, a.q_heads, a.kv_heads
@@ -64,9 +65,12 @@ def run_one(a):
         tv = mx.random.normal((1, hkv, a.tail, d)) if a.tail else None
         mx.eval(q, kc, ks, vc, vs, kcent, vcent, *([tk, tv] if a.tail else []))
 
+        signs = Rotation(d, seed=0).kernel_signs if a.op_rotation else None
+
         def call():
             return ops.compressed_attention(
-                q, kc, ks, vc, vs, kcent, vcent, n, scale, a.kb, a.vb, True, tail_k=tk, tail_v=tv
+                q, kc, ks, vc, vs, kcent, vcent, n, scale, a.kb, a.vb, True, tail_k=tk, tail_v=tv,
+                rotation_signs=signs,
             )[0]
 
     for _ in range(3):
@@ -133,7 +137,8 @@ def driver(a):
             for kb, vb in pairs:
                 t, parts = ncu_call_time(
                     ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
-                     "--tail", str(a.tail), *shape], a.calls)
+                     "--tail", str(a.tail), *shape]
+                    + (["--op-rotation"] if a.op_rotation else []), a.calls)
                 nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
                 pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%"
                 line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
@@ -153,6 +158,9 @@ def main():
     p.add_argument("--kb", type=int, default=4)
     p.add_argument("--vb", type=int, default=4)
     p.add_argument("--tail", type=int, default=0, help="uncompressed tail tokens (tq4: 36)")
+    p.add_argument("--op-rotation", action="store_true",
+                   help="queries in model space, rotated (and the output rotated back) by "
+                        "the op, as the cache calls it for power-of-two head dims")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--lengths", default="4096,32768,131072,262144")
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
