@@ -159,12 +159,17 @@ std::optional<SignedHadamard> signed_hadamard(
   return r;
 }
 
-// Token vectors as the quantizer reads them: float32 on the CPU; the GPU kernels also
-// read float16/bfloat16 as they are (no conversion kernel before a decode step's append).
-mx::array quantizer_input(const mx::array& x, const mx::Stream& stream) {
-  const bool half =
-      stream.device == mx::Device::gpu && (x.dtype() == mx::float16 || x.dtype() == mx::bfloat16);
-  return mx::contiguous(half ? x : mx::astype(x, mx::float32, stream), false, stream);
+// An input as the backend's kernels read it. The CPU kernels read row-major float32;
+// the GPU backends take any layout (their eval copies what their kernels cannot read
+// through strides) and float16/bfloat16 as they are, so a decode step gets no
+// conversion or Contiguous nodes in front of the ops (each is host time per layer).
+mx::array kernel_input(const mx::array& a, const mx::Stream& stream, bool to_float32) {
+  if (stream.device == mx::Device::gpu) {
+    return to_float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16
+        ? mx::astype(a, mx::float32, stream)
+        : a;
+  }
+  return mx::contiguous(to_float32 ? mx::astype(a, mx::float32, stream) : a, false, stream);
 }
 
 } // namespace
@@ -230,7 +235,7 @@ std::vector<mx::array> quantize_append(
   auto rotation = signed_hadamard(op, rotation_signs, head_dim);
   auto stream = mx::to_stream(s);
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
-  auto tokens = quantizer_input(x, stream);
+  auto tokens = kernel_input(x, stream, true);
   auto c = mx::astype(centroids, mx::float32, stream);
   // The cache buffers go in as they are, one node each, so each node can donate its
   // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
@@ -335,14 +340,12 @@ std::vector<mx::array> compressed_attention(
   auto stream = mx::to_stream(s);
   // The GPU kernels read float16 / bfloat16 queries as they are (CUDA runs them on
   // tensor cores); the CPU kernel reads float32.
-  const bool half_q = stream.device == mx::Device::gpu &&
-      (q.dtype() == mx::float16 || q.dtype() == mx::bfloat16);
   std::vector<mx::array> inputs = {
-      mx::contiguous(half_q ? q : mx::astype(q, mx::float32, stream), false, stream),
-      mx::contiguous(k_codes, false, stream),
-      mx::contiguous(k_scales, false, stream),
-      mx::contiguous(v_codes, false, stream),
-      mx::contiguous(v_scales, false, stream),
+      kernel_input(q, stream, true),
+      kernel_input(k_codes, stream, false),
+      kernel_input(k_scales, stream, false),
+      kernel_input(v_codes, stream, false),
+      kernel_input(v_scales, stream, false),
       mx::astype(k_centroids, mx::float32, stream),
       mx::astype(v_centroids, mx::float32, stream)};
   if (tail_k.has_value() != tail_v.has_value()) {

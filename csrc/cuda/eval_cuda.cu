@@ -198,6 +198,21 @@ void copy_into(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc)
   enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
 }
 
+/// `a` itself when its last axis is contiguous (what the kernels index it by strides
+/// assume), else a row-contiguous copy (a temporary of this launch). The ops hand GPU
+/// inputs over in whatever layout they have, so that a decode step needs no
+/// Contiguous nodes; this is where the rare strided one gets copied.
+mx::array last_axis_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) {
+  if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
+    return a;
+  }
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  allocate(copy, enc);
+  copy_into(a, copy, enc);
+  enc.add_temporary(copy);
+  return copy;
+}
+
 /// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
 /// O(new tokens) path), else a row-contiguous copy. The copy lives in memory of MLX's
 /// allocator: MLX donates only buffers its allocator owns, and a cache buffer in the
@@ -230,6 +245,9 @@ AttnShape attn_shape(int d) {
 /// `slice_bits` bits: a slice of a multiple of 4 (2) whole words is read with 16-byte
 /// (8-byte) loads, so every row start must be 16 (8)-byte aligned.
 bool vector_aligned(const mx::array& codes, int slice_bits) {
+  if (codes.ndim() == 4 && codes.strides()[3] != 1) {
+    return false; // a token's words must be adjacent
+  }
   if (slice_bits <= 0 || slice_bits % 32 != 0) {
     return true; // word (or, for scales, element) loads
   }
@@ -334,7 +352,7 @@ void quantize_append(
     mx::array& out) {
   auto& enc = mx::cu::get_command_encoder(s);
   take_buffer(inputs[0], out, enc);
-  auto& x = inputs[1];
+  const mx::array x = last_axis_contiguous(inputs[1], enc);
   auto& cent = inputs[2];
   const int head_dim = x.shape(3);
   const bool codes = prim.target() == AppendTarget::Codes;
@@ -380,7 +398,7 @@ void attention(
     std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
   const auto& ap = prim.params();
-  auto& q = inputs[0];
+  const mx::array q = last_axis_contiguous(inputs[0], enc);
   auto& kcent = inputs[5];
   auto& vcent = inputs[6];
   auto& out = outputs[0];
@@ -393,10 +411,6 @@ void attention(
         "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
         "are multiples of 32 in [32, 256], got ",
         D, "."));
-  }
-  if (q.strides()[3] != 1) {
-    throw std::invalid_argument(
-        "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
   }
   const int kb = ap.key_bits, vb = ap.value_bits;
   const int rows = (Hq / Hkv) * L;

@@ -86,6 +86,9 @@ AttnShape attn_shape(int d) {
 /// Whether a cache's code rows satisfy the kernel's vector loads: lanes that read 2 or
 /// 4 whole words need every row start 8 / 16-byte aligned.
 bool vector_aligned(const mx::array& codes, int dl, int bits) {
+  if (codes.strides()[3] != 1) {
+    return false; // a token's words must be adjacent
+  }
   int nb = dl * bits;
   int na = nb / 32;
   if (nb % 32 != 0 || (na != 2 && na != 4)) {
@@ -138,6 +141,19 @@ void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
   copy_buffer(in, out, d, s);
 }
 
+/// `a` itself when its last axis is contiguous (what the kernels indexing it by
+/// strides assume), else a row-contiguous copy: the ops hand GPU inputs over in any
+/// layout, so that a decode step needs no Contiguous nodes.
+mx::array last_axis_contiguous(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
+  if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
+    return a;
+  }
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  copy_buffer(a, copy, d, s);
+  mx::metal::get_command_encoder(s).add_temporary(copy);
+  return copy;
+}
+
 /// `codes` itself when the attention kernel can read it, else a row-contiguous copy.
 mx::array readable_codes(
     const mx::array& codes,
@@ -172,7 +188,7 @@ void quantize_append(
     mx::array& out) {
   auto& d = mx::metal::device(s.device);
   take_buffer(inputs[0], out, d, s);
-  auto& x = inputs[1];
+  const mx::array x = last_axis_contiguous(inputs[1], d, s);
   auto& cent = inputs[2];
   const int head_dim = x.shape(3);
   if (!supported_head_dim(head_dim)) {
@@ -229,7 +245,7 @@ void attention(
     std::vector<mx::array>& outputs) {
   auto& d = mx::metal::device(s.device);
   const auto& ap = prim.params();
-  auto& q = inputs[0];
+  const mx::array q = last_axis_contiguous(inputs[0], d, s);
   auto& out = outputs[0];
   auto& lse = outputs[1];
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
@@ -240,10 +256,6 @@ void attention(
            "are multiples of 32 in [32, 256], got "
         << D << ".";
     throw std::invalid_argument(msg.str());
-  }
-  if (q.strides()[3] != 1) {
-    throw std::invalid_argument(
-        "[turboquant_mlx.compressed_attention] queries must be contiguous along the head dim.");
   }
   AttnShape sh = attn_shape(D);
   const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, d, s);
