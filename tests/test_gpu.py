@@ -118,6 +118,42 @@ def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype):
     assert not np.array_equal(cpu_w, words)  # something was written
 
 
+def strided_last_axis(a):
+    """The same values as a view whose last axis is not contiguous."""
+    v = mx.swapaxes(mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))), -1, -2)
+    assert v.shape == tuple(np.asarray(a).shape)
+    return v
+
+
+def test_ops_read_inputs_strided_along_the_last_axis():
+    # GPU ops take inputs in any layout: a strided token or query is copied in eval.
+    rng = np.random.default_rng(5)
+    head_dim, bits = 128, 4
+    words, scales = poisoned_cache(rng, 1, 2, 12, head_dim, bits)
+    x = random_tokens(rng, (1, 2, 5, head_dim))
+    c = mx.array(centroids_np(head_dim, bits))
+    outs = []
+    for device, xin in ((mx.Device(mx.cpu), mx.array(x)), (gpu(), strided_last_axis(x))):
+        out = ops.quantize_append(mx.array(words), mx.array(scales), xin, c, 3, bits, stream=device)
+        mx.eval(*out)
+        outs.append([bits_of(o) for o in out])
+    np.testing.assert_array_equal(outs[1][0], outs[0][0])
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+
+    k_words, k_scales, _ = reference_cache(rng, 1, 2, 40, 33, head_dim, bits)
+    q = (2.0 * rng.standard_normal((1, 8, 1, head_dim))).astype(np.float32)
+    results = []
+    for device, qin in ((mx.Device(mx.cpu), mx.array(q)), (gpu(), strided_last_axis(q))):
+        out, lse = ops.compressed_attention(
+            qin, mx.array(k_words), mx.array(k_scales), mx.array(k_words), mx.array(k_scales),
+            c, c, 33, 0.1, bits, bits, True, stream=device,
+        )
+        mx.eval(out, lse)
+        results.append((np.array(out), np.array(lse)))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_quantize_append_near_boundaries_bit_exact(bits):
     # Coordinates placed on and next to decision boundaries: the GPU must take the
