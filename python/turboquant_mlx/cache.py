@@ -975,6 +975,21 @@ class TurboQuantKVCache(_BaseCache):
 
     def _attend_decode(self, queries, scale, mask, sinks):
         L = queries.shape[2]
+        signs = self._op_signs()
+        if (L == 1 and signs is not None and sinks is None and not isinstance(mask, mx.array)
+                and self._n_comp == self.offset and self._mu_k is None
+                and self._key_scale is None):
+            # The plain codec's decode step (every token compressed, no levers): one op
+            # from the model's queries to the layer's output (it rotates both). This
+            # path is most of a decode step's Python time, so it skips the general
+            # bookkeeping below.
+            out, _ = ops.compressed_attention(
+                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                self._k_centroids, self._v_centroids, self._n_comp, scale, self.key_bits,
+                self.value_bits, False, None, rotation_signs=signs,
+                rotate_output=self.rotate_values,
+            )
+            return out
         q0 = self.offset - L
         S = self.fp16_sink_tokens
         ns, c, wpos = self._layout()
