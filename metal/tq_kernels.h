@@ -110,6 +110,13 @@ TQ_FN float tq_mask_value(const TQ_DEV uchar* mask, int kind, int64_t at, TQ_THR
 // increasing stride, as the CPU backend's (csrc/cpu/codec.h): every pair is an exact
 // a + b, a - b of the same operands, so the quantizer's codes match it bit for bit.
 
+/// Whether kernels for head dim D carry the rotation code at all (the ops allow it for
+/// powers of two only; for other D it would be dead code that still costs registers).
+template <int D>
+struct TQRotatable {
+  static constexpr bool value = D > 0 && (D & (D - 1)) == 0;
+};
+
 TQ_FN bool tq_rot_negates(TQ_CONST TQRotation& r, int d) {
   return ((r.sign_bits[d >> 5] >> (d & 31)) & 1u) != 0u;
 }
@@ -423,7 +430,7 @@ TQ_FN void tq_attention_impl(
       st.q[r][i] = tq_to_float(qp[j * DL + i]);
       st.o[r][i] = 0.0f;
     }
-    if (p.rot.on != 0) { // uniform; power-of-two D only (the op checks)
+    if (TQRotatable<D>::value && p.rot.on != 0) { // uniform
       tq_rotate_blocked<DL, T>(st.q[r], p.rot, j);
     }
     TQ_UNROLL
@@ -598,7 +605,7 @@ TQ_FN void tq_attention_merge_impl(
   const TQ_DEV float* tv = tail_v + b * p.tv_stride[0] + (h / p.gqa) * p.tv_stride[1];
   if (T > 0) {
     const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
-    if (p.rot.on != 0) { // uniform: q in model space, R q = H (s q) / sqrt(D)
+    if (TQRotatable<D>::value && p.rot.on != 0) { // uniform: R q = H (s q) / sqrt(D)
       for (int d = int(th.tid); d < D; d += NT) {
         const float x = tq_to_float(qr[d]);
         qs[d] = tq_rot_negates(p.rot, d) ? -x : x;
@@ -696,13 +703,13 @@ TQ_FN void tq_attention_merge_impl(
     }
     const float acc = (a0 + a1) + (a2 + a3);
     const float o = ll > 0.0f ? acc / ll : 0.0f;
-    if (p.unrotate_out != 0) {
+    if (TQRotatable<D>::value && p.unrotate_out != 0) {
       qs[d] = o; // the tail scores are done with the query row
     } else {
       out[int64_t(row) * D + d] = o;
     }
   }
-  if (p.unrotate_out != 0) { // uniform: R^T o = s (H o) / sqrt(D)
+  if (TQRotatable<D>::value && p.unrotate_out != 0) { // uniform: R^T o = s (H o) / sqrt(D)
     tq_fwht_threadgroup<D, NT>(qs, int(th.tid));
     for (int d = int(th.tid); d < D; d += NT) {
       const float y = qs[d] * p.rot.scale;
@@ -763,7 +770,7 @@ TQ_FN void tq_quantize_impl(
   for (int k = 0; k < PER; ++k) {
     xr[k] = tq_to_float(xp[int(th.lane) + k * TQ_SIMD]);
   }
-  if (p.rot.on != 0) { // uniform
+  if (TQRotatable<D>::value && p.rot.on != 0) { // uniform
     tq_rotate_strided<PER>(xr, p.rot, int(th.lane));
   }
   TQ_UNROLL

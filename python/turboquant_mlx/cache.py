@@ -990,6 +990,12 @@ class TurboQuantKVCache(_BaseCache):
                 rotate_output=self.rotate_values,
             )
             return out
+        if L == 1 and _COMPILE and sinks is None and not isinstance(mask, mx.array):
+            ring_step = self._ring_step_layout()
+            if ring_step is not None:
+                # A window preset's usual step: the ring tail, without building the
+                # segment list (the general path below reaches the same call).
+                return self._ring_step(queries, scale, False, None, *ring_step)
         q0 = self.offset - L
         S = self.fp16_sink_tokens
         ns, c, wpos = self._layout()
@@ -1066,21 +1072,7 @@ class TurboQuantKVCache(_BaseCache):
         P = self.offset - 1  # the new token's position, when one token arrived
         if (ring is not None and new is not None and new[2] == P and ring[2] == P
                 and n_win == R and queries.shape[2] == 1):
-            # The ring holds the sinks and the window before this token: the new token
-            # takes the slot of the one that just left the window (quantized by
-            # update_and_fetch from its code-space copy).
-            tail_k, tail_v = ring[0], ring[1]
-            self._ring = ring = None  # only the ring may hold it, or MLX copies it
-            q_codes, k_new, v_new = _fused_decode_inputs(
-                queries, self._key_scale, signs, matrix, rot_scale,
-                _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-                [new[0]], [new[1]], rotate_q,
-            )
-            slot = ns + (P - self.fp16_sink_tokens) % R
-            tail_k[:, :, slot : slot + 1] = k_new
-            tail_v[:, :, slot : slot + 1] = v_new
-            self._ring = (tail_k, tail_v, P + 1)
-            self._ring_tokens.append((P, k_new, v_new))
+            return self._ring_step(queries, scale, causal, op_mask, ns, c)
         elif dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
                 n_win == 0 or (ct[3] == wpos and ct[4] == 0)):
             # The same tokens as the last step's tail (sinks only, as without a window):
@@ -1115,12 +1107,53 @@ class TurboQuantKVCache(_BaseCache):
                     # change what _code_tail holds.)
                     self._ring = (tail_k[...], tail_v[...], self.offset)
                     self._ring_tokens.clear()
+        return self._tail_attention(queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v)
+
+    def _ring_step_layout(self):
+        """``(ns, c)`` when this single-token step can take the ring path (the ring
+        holds the sinks and the full window before the new token), else None."""
+        ring, new = self._ring, self._new_token
+        P = self.offset - 1
+        if ring is None or new is None or new[2] != P or ring[2] != P or self._fresh is not None:
+            return None
+        ns, c, wpos = self._layout()
+        R = self.fp16_recent_tokens
+        if c < 1 or self.offset - wpos != R or ns + R > MAX_TAIL_TOKENS:
+            return None
+        return ns, c
+
+    def _ring_step(self, queries, scale, causal, op_mask, ns, c):
+        """A single-token step on the ring: the new token takes the slot of the one
+        that just left the window (quantized by update_and_fetch from its code-space
+        copy), then one attention call over the compressed tokens and the ring."""
+        signs, matrix, rot_scale = self._rotation.params()
+        ring, new = self._ring, self._new_token
+        P = self.offset - 1
+        tail_k, tail_v = ring[0], ring[1]
+        self._ring = ring = None  # only the ring may hold it, or MLX copies it
+        q_codes, k_new, v_new = _fused_decode_inputs(
+            queries, self._key_scale, signs, matrix, rot_scale,
+            _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
+            [new[0]], [new[1]], self._op_signs() is None,
+        )
+        slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
+        tail_k[:, :, slot : slot + 1] = k_new
+        tail_v[:, :, slot : slot + 1] = v_new
+        self._ring = (tail_k, tail_v, P + 1)
+        self._ring_tokens.append((P, k_new, v_new))
+        return self._tail_attention(queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v)
+
+    def _tail_attention(self, queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v):
+        """The op over the ``c`` compressed tokens and a code-space tail, to the layer's
+        output (``q_codes``: the queries as the op takes them)."""
+        op_signs = self._op_signs()
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
             causal, op_mask, tail_k=tail_k, tail_v=tail_v,
             rotation_signs=op_signs, rotate_output=self.rotate_values,
         )
+        signs, matrix, rot_scale = self._rotation.params()
         if not self.rotate_values or op_signs is not None:
             signs = matrix = None  # nothing to undo here
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v, queries)
