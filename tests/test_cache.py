@@ -263,6 +263,28 @@ def test_attention_matches_reference(layout, L):
     )
 
 
+@pytest.mark.parametrize("op_rotation", [True, False], ids=["op-rotation", "host-rotation"])
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[3]],
+                         ids=["plain", "window", "levers-sink-window"])
+def test_rotation_in_or_around_the_ops(monkeypatch, layout, op_rotation):
+    # Power-of-two head dims rotate inside the ops (the plain cache's step is then one
+    # call, a window preset's a ring step); TURBOQUANT_OP_ROTATION=0 rotates around
+    # them. Both must give what attention over the stored tokens gives, step after step.
+    import turboquant_mlx.cache as tq_cache
+
+    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
+    rng = np.random.default_rng(17)
+    cache, _, _ = _filled(rng, [45], B=1, H=2, D=64, **layout)
+    for step in range(40):
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+        q = _rand(rng, (1, 4, 1, 64))
+        got = cache.attention(q, 0.2, None)  # every step, as a model does
+        if step % 13 == 12:
+            K, V = cache.dequantized_keys_values(mx.float32)
+            want = _expected(q, K, V, 0.2, None)
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=TOL * _magnitude(V))
+
+
 def _record_op_tails(monkeypatch):
     """A list that receives the ``tail_k`` (or None) of every compressed_attention call
     the cache makes from now on."""
