@@ -21,16 +21,11 @@ inline std::vector<float> boundaries(const float* centroids, int bits) {
   return t;
 }
 
-/// v <- R v for R = H diag(s) * scale (H the Walsh-Hadamard matrix, D a power of two,
-/// bit d of sign_bits set: s_d = -1): the signs, butterflies in order of increasing
-/// stride, then the scale. The GPU kernels (tq_rotate_* in metal/tq_kernels.h) pair
-/// the same operands, so the quantizer's input is the same float32 on every backend.
-inline void rotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_bits, float scale) {
-  for (int d = 0; d < head_dim; ++d) {
-    if ((sign_bits[d >> 5] >> (d & 31)) & 1u) {
-      v[d] = -v[d];
-    }
-  }
+/// v <- H v (unnormalized Walsh-Hadamard transform, Sylvester order, D a power of two):
+/// butterflies in order of increasing stride, each an exact a + b, a - b. The GPU
+/// kernels (tq_rotate_* in metal/tq_kernels.h) pair the same operands, so the
+/// quantizer's input is the same float32 on every backend.
+inline void walsh_hadamard(float* v, int head_dim) {
   for (int h = 1; h < head_dim; h <<= 1) {
     for (int i = 0; i < head_dim; i += 2 * h) {
       for (int k = i; k < i + h; ++k) {
@@ -40,25 +35,30 @@ inline void rotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_
       }
     }
   }
+}
+
+inline bool negated(const uint32_t* sign_bits, int d) {
+  return (sign_bits[d >> 5] >> (d & 31)) & 1u;
+}
+
+/// v <- R v for R = H diag(s) * scale (bit d of sign_bits set: s_d = -1): the signs,
+/// the transform, then the scale.
+inline void rotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_bits, float scale) {
+  for (int d = 0; d < head_dim; ++d) {
+    v[d] = negated(sign_bits, d) ? -v[d] : v[d];
+  }
+  walsh_hadamard(v, head_dim);
   for (int d = 0; d < head_dim; ++d) {
     v[d] *= scale;
   }
 }
 
-/// v <- R^T v = diag(s) H v * scale (see rotate_signed_hadamard; H is symmetric).
+/// v <- R^T v = diag(s) H v * scale (H is symmetric).
 inline void unrotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_bits, float scale) {
-  for (int h = 1; h < head_dim; h <<= 1) {
-    for (int i = 0; i < head_dim; i += 2 * h) {
-      for (int k = i; k < i + h; ++k) {
-        float a = v[k], b = v[k + h];
-        v[k] = a + b;
-        v[k + h] = a - b;
-      }
-    }
-  }
+  walsh_hadamard(v, head_dim);
   for (int d = 0; d < head_dim; ++d) {
     float y = v[d] * scale;
-    v[d] = ((sign_bits[d >> 5] >> (d & 31)) & 1u) ? -y : y;
+    v[d] = negated(sign_bits, d) ? -y : y;
   }
 }
 
