@@ -22,9 +22,6 @@ namespace mx = mlx::core;
 struct SignedHadamard {
   std::array<uint32_t, 8> sign_bits{};
 
-  bool negates(int d) const {
-    return ((sign_bits[d >> 5] >> (d & 31)) & 1u) != 0u;
-  }
   bool operator==(const SignedHadamard& o) const {
     return sign_bits == o.sign_bits;
   }

@@ -319,10 +319,7 @@ void attention(
     std::vector<float> q_rotated;
     const float* q_in = q_ptr;
     if (rot.on) {
-      q_rotated.assign(q_ptr, q_ptr + n_rows * D);
-      for (int64_t r = 0; r < n_rows; ++r) {
-        rotate_signed_hadamard(q_rotated.data() + r * D, D, rot.sign_bits, rot.scale);
-      }
+      q_rotated = rotated_rows(q_ptr, n_rows, D, rot.sign_bits, rot.scale);
       q_in = q_rotated.data();
     }
     dispatch_bits(p.key_bits, [&]<int KB>() {

@@ -109,11 +109,7 @@ void quantize_append(
     std::vector<float> rotated;
     const float* y_ptr = x_ptr;
     if (rot.on) {
-      rotated.assign(x_ptr, x_ptr + static_cast<int64_t>(n_vectors) * head_dim);
-      for (int v = 0; v < n_vectors; ++v) {
-        rotate_signed_hadamard(
-            rotated.data() + static_cast<int64_t>(v) * head_dim, head_dim, rot.sign_bits, rot.scale);
-      }
+      rotated = rotated_rows(x_ptr, n_vectors, head_dim, rot.sign_bits, rot.scale);
       y_ptr = rotated.data();
     }
     // Quantize everything into scratch first, so that a token whose scale does not

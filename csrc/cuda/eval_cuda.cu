@@ -198,6 +198,15 @@ void copy_into(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc)
   enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
 }
 
+/// A row-contiguous copy of `a` that lives as long as this launch.
+mx::array temporary_copy(const mx::array& a, mx::cu::CommandEncoder& enc) {
+  mx::array copy(a.shape(), a.dtype(), nullptr, {});
+  allocate(copy, enc);
+  copy_into(a, copy, enc);
+  enc.add_temporary(copy);
+  return copy;
+}
+
 /// `a` itself when its last axis is contiguous (what the kernels index it by strides
 /// assume), else a row-contiguous copy (a temporary of this launch). The ops hand GPU
 /// inputs over in whatever layout they have, so that a decode step needs no
@@ -206,11 +215,7 @@ mx::array last_axis_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) 
   if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
     return a;
   }
-  mx::array copy(a.shape(), a.dtype(), nullptr, {});
-  allocate(copy, enc);
-  copy_into(a, copy, enc);
-  enc.add_temporary(copy);
-  return copy;
+  return temporary_copy(a, enc);
 }
 
 /// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
@@ -286,11 +291,7 @@ mx::array readable_codes(
     return codes;
   }
   count_buffer_copy("compressed_attention", codes);
-  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
-  allocate(copy, enc);
-  copy_into(codes, copy, enc);
-  enc.add_temporary(copy);
-  return copy;
+  return temporary_copy(codes, enc);
 }
 
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:

@@ -144,14 +144,19 @@ void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
 /// `a` itself when its last axis is contiguous (what the kernels indexing it by
 /// strides assume), else a row-contiguous copy: the ops hand GPU inputs over in any
 /// layout, so that a decode step needs no Contiguous nodes.
-mx::array last_axis_contiguous(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
-  if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
-    return a;
-  }
+/// A row-contiguous copy of `a` that lives as long as this launch.
+mx::array temporary_copy(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
   mx::array copy(a.shape(), a.dtype(), nullptr, {});
   copy_buffer(a, copy, d, s);
   mx::metal::get_command_encoder(s).add_temporary(copy);
   return copy;
+}
+
+mx::array last_axis_contiguous(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
+  if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
+    return a;
+  }
+  return temporary_copy(a, d, s);
 }
 
 /// `codes` itself when the attention kernel can read it, else a row-contiguous copy.
@@ -165,10 +170,7 @@ mx::array readable_codes(
     return codes;
   }
   count_buffer_copy("compressed_attention", codes);
-  mx::array copy(codes.shape(), codes.dtype(), nullptr, {});
-  copy_buffer(codes, copy, d, s);
-  mx::metal::get_command_encoder(s).add_temporary(copy);
-  return copy;
+  return temporary_copy(codes, d, s);
 }
 
 } // namespace

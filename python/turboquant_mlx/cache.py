@@ -994,8 +994,8 @@ class TurboQuantKVCache(_BaseCache):
             ring_step = self._ring_step_layout()
             if ring_step is not None:
                 # A window preset's usual step: the ring tail, without building the
-                # segment list (the general path below reaches the same call).
-                return self._ring_step(queries, scale, False, None, *ring_step)
+                # segment list.
+                return self._ring_step(queries, scale, *ring_step)
         q0 = self.offset - L
         S = self.fp16_sink_tokens
         ns, c, wpos = self._layout()
@@ -1031,7 +1031,6 @@ class TurboQuantKVCache(_BaseCache):
             parts.append(self._compressed_result(out, lse, queries, scale))
         elif c > 0:
             causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
-            signs = self._op_signs()
             out, lse = ops.compressed_attention(
                 self._compressed_queries(queries, fused=fused, rotate=signs is None),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
@@ -1063,17 +1062,13 @@ class TurboQuantKVCache(_BaseCache):
         first, ``ns`` of them, then the window from ``wpos``), which every query sees
         whole, join the ``c`` compressed tokens as the op's tail."""
         signs, matrix, rot_scale = self._rotation.params()
-        op_signs = self._op_signs()
-        rotate_q = op_signs is None
+        rotate_q = self._op_signs() is None
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail
         R = self.fp16_recent_tokens
-        ring, new = self._ring, self._new_token
-        P = self.offset - 1  # the new token's position, when one token arrived
-        if (ring is not None and new is not None and new[2] == P and ring[2] == P
-                and n_win == R and queries.shape[2] == 1):
-            return self._ring_step(queries, scale, causal, op_mask, ns, c)
-        elif dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
+        # (A single-token step whose ring holds the sinks and full window never gets
+        # here: _attend_decode takes it to _ring_step first.)
+        if dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
                 n_win == 0 or (ct[3] == wpos and ct[4] == 0)):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
@@ -1122,10 +1117,11 @@ class TurboQuantKVCache(_BaseCache):
             return None
         return ns, c
 
-    def _ring_step(self, queries, scale, causal, op_mask, ns, c):
+    def _ring_step(self, queries, scale, ns, c):
         """A single-token step on the ring: the new token takes the slot of the one
         that just left the window (quantized by update_and_fetch from its code-space
-        copy), then one attention call over the compressed tokens and the ring."""
+        copy), then one attention call over the compressed tokens and the ring, which
+        the query sees whole (no causal limit, no mask)."""
         signs, matrix, rot_scale = self._rotation.params()
         ring, new = self._ring, self._new_token
         P = self.offset - 1
@@ -1141,7 +1137,7 @@ class TurboQuantKVCache(_BaseCache):
         tail_v[:, :, slot : slot + 1] = v_new
         self._ring = (tail_k, tail_v, P + 1)
         self._ring_tokens.append((P, k_new, v_new))
-        return self._tail_attention(queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v)
+        return self._tail_attention(queries, q_codes, scale, False, None, c, tail_k, tail_v)
 
     def _tail_attention(self, queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v):
         """The op over the ``c`` compressed tokens and a code-space tail, to the layer's
@@ -1153,10 +1149,8 @@ class TurboQuantKVCache(_BaseCache):
             causal, op_mask, tail_k=tail_k, tail_v=tail_v,
             rotation_signs=op_signs, rotate_output=self.rotate_values,
         )
-        signs, matrix, rot_scale = self._rotation.params()
-        if not self.rotate_values or op_signs is not None:
-            signs = matrix = None  # nothing to undo here
-        return _fused_tail_decode_output(out, signs, matrix, rot_scale, self._mu_v, queries)
+        signs, matrix, rot_scale, _, mu_v = self._model_space_args(op_signs is not None)
+        return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)
 
     def _block_sizes(self, B, n_q, L):
         """Query chunk and key block (tokens) that keep the scores within budget."""
