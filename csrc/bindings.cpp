@@ -42,6 +42,7 @@ NB_MODULE(_ext, m) {
       "bits"_a,
       nb::kw_only(),
       "rotation_signs"_a = nb::none(),
+      "mean"_a = nb::none(),
       "stream"_a = nb::none(),
       R"(Quantize tokens into the cache buffers at ``offset``.
 
@@ -56,6 +57,8 @@ NB_MODULE(_ext, m) {
             rotation_signs (list[float], optional): the ``D`` signs ``s`` of the
                 rotation ``R = H diag(s) / sqrt(D)`` (power-of-two ``D``), which the
                 kernels then apply to ``x`` themselves.
+            mean (array, optional): ``(B, H, 1, D)``, in ``x``'s space: ``x - mean``
+                is quantized (a mean-centered cache).
 
         Returns:
             list[array]: the updated ``[codes, scales]``; they reuse the input buffers
@@ -82,14 +85,22 @@ NB_MODULE(_ext, m) {
       "tail_v"_a = nb::none(),
       "rotation_signs"_a = nb::none(),
       "rotate_output"_a = true,
+      "key_mean"_a = nb::none(),
+      "value_mean"_a = nb::none(),
       "stream"_a = nb::none(),
       R"(Attention of queries ``(B, Hq, L<=8, D)`` over the compressed cache and, when
         given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)`` in
-        the rotated space that every query sees.
+        the queries' space that every query sees.
 
         The queries are rotated, or in model space with ``rotation_signs`` (see
         ``quantize_append``): the kernels rotate them, and with ``rotate_output``
-        (values stored rotated) return ``out`` in model space.
+        (values stored rotated) return ``out`` in model space. The tail is always in
+        the queries' space, so with ``rotation_signs`` it is in model space.
+
+        ``key_mean`` / ``value_mean`` ``(B, Hkv, 1, D)``, in the queries' space: the
+        compressed tokens were appended with those means (``quantize_append``'s
+        ``mean``) and the tail was not; the op adds them back, so that ``out`` and
+        ``lse`` are those of the uncentered keys and values.
 
         Returns:
             list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 and the

@@ -172,6 +172,26 @@ mx::array kernel_input(const mx::array& a, const mx::Stream& stream, bool to_flo
   return mx::contiguous(to_float32 ? mx::astype(a, mx::float32, stream) : a, false, stream);
 }
 
+// Checks a per-head mean (B, H, 1, D) for tokens of `batch`, `heads`, `head_dim` and
+// returns it as the kernels read it: float32 (row-major on the CPU; GPU evals copy
+// one whose last axis is strided).
+mx::array mean_input(
+    const char* op,
+    const char* what,
+    const mx::array& mean,
+    int batch,
+    int heads,
+    int head_dim,
+    const mx::Stream& stream) {
+  check_float(op, what, mean);
+  auto want = mx::Shape{batch, heads, 1, head_dim};
+  if (mean.shape() != want) {
+    fail(op, what, " must have shape ", shape_str(want), ", got ", shape_str(mean.shape()), ".");
+  }
+  auto m = mx::astype(mean, mx::float32, stream);
+  return stream.device == mx::Device::gpu ? m : mx::contiguous(m, false, stream);
+}
+
 } // namespace
 
 int words_per_token(int head_dim, int bits) {
@@ -188,6 +208,7 @@ std::vector<mx::array> quantize_append(
     int offset,
     int bits,
     const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<mx::array>& mean,
     mx::StreamOrDevice s) {
   constexpr const char* op = "quantize_append";
   int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
@@ -237,14 +258,21 @@ std::vector<mx::array> quantize_append(
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
   auto tokens = kernel_input(x, stream, true);
   auto c = mx::astype(centroids, mx::float32, stream);
+  std::vector<mx::array> rest = {tokens, c};
+  if (mean) {
+    rest.push_back(mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
+  }
   // The cache buffers go in as they are, one node each, so each node can donate its
   // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
   auto node = [&](const mx::array& buffer, AppendTarget target) {
+    std::vector<mx::array> inputs = {buffer};
+    inputs.insert(inputs.end(), rest.begin(), rest.end());
     return mx::array(
         buffer.shape(),
         buffer.dtype(),
-        std::make_shared<QuantizeAppend>(stream, bits, offset, target, rotation),
-        {buffer, tokens, c});
+        std::make_shared<QuantizeAppend>(
+            stream, bits, offset, target, rotation, mean.has_value()),
+        std::move(inputs));
   };
   return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
 }
@@ -267,6 +295,8 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& tail_v,
     const std::optional<std::vector<float>>& rotation_signs,
     bool rotate_output,
+    const std::optional<mx::array>& key_mean,
+    const std::optional<mx::array>& value_mean,
     mx::StreamOrDevice s) {
   constexpr const char* op = "compressed_attention";
   int k_cap = check_cache(op, "key", k_codes, k_scales, k_centroids, key_bits);
@@ -383,7 +413,11 @@ std::vector<mx::array> compressed_attention(
       false,
       has_tail,
       rotation,
-      rotation.has_value() && rotate_output};
+      rotation.has_value() && rotate_output,
+      key_mean.has_value()};
+  if (key_mean.has_value() != value_mean.has_value()) {
+    fail(op, "key_mean and value_mean must be given together.");
+  }
   if (mask) {
     auto target = mx::Shape{batch, n_q_heads, q_len, kv_len};
     if (mask->ndim() > 4) {
@@ -411,9 +445,19 @@ std::vector<mx::array> compressed_attention(
     inputs.push_back(mx::broadcast_to(m, target, stream));
   }
   if (has_tail) {
+    // The tail in the kernels' query type (a no-op for a cache's window, which has
+    // the model's dtype): float32 row-major on the CPU, q's type in any layout on GPUs.
     for (auto* t : {&*tail_k, &*tail_v}) {
-      inputs.push_back(mx::contiguous(mx::astype(*t, mx::float32, stream), false, stream));
+      inputs.push_back(
+          stream.device == mx::Device::gpu
+              ? mx::astype(*t, inputs[0].dtype(), stream)
+              : mx::contiguous(mx::astype(*t, mx::float32, stream), false, stream));
     }
+  }
+  if (key_mean) {
+    inputs.push_back(mean_input(op, "key_mean", *key_mean, batch, n_kv_heads, head_dim, stream));
+    inputs.push_back(
+        mean_input(op, "value_mean", *value_mean, batch, n_kv_heads, head_dim, stream));
   }
   return mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},

@@ -20,7 +20,8 @@ int words_per_token(int head_dim, int bits);
 /// `codes` (B, H, capacity, W) uint32 and `scales` (B, H, capacity) float16.
 /// `x` is in rotated space, or, when `rotation_signs` (the D signs s of the rotation
 /// R = H diag(s) / sqrt(D), power-of-two D) is given, in model space: the kernels
-/// rotate it.
+/// rotate it. With `mean` (B, H, 1, D), in x's space, x - mean is quantized (a
+/// mean-centered cache appends its tokens as they are).
 /// Returns the updated {codes, scales}; they reuse the input buffers when the inputs
 /// are donatable, so appending costs O(L), not O(capacity).
 std::vector<mx::array> quantize_append(
@@ -31,14 +32,18 @@ std::vector<mx::array> quantize_append(
     int offset,
     int bits,
     const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
+    const std::optional<mx::array>& mean = std::nullopt,
     mx::StreamOrDevice s = {});
 
 /// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
-/// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in the same
-/// rotated space that every query sees (fp16 sinks and the recent window of a cache),
-/// in one softmax.
+/// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in q's space
+/// that every query sees (fp16 sinks and the recent window of a cache), in one
+/// softmax.
 /// q is in rotated space, or, with `rotation_signs` (see quantize_append), in model
 /// space: the kernels rotate it, and with `rotate_output` return out in model space.
+/// `key_mean` / `value_mean` (B, Hkv, 1, D), in q's space, say that the compressed
+/// tokens were appended with those means (quantize_append's `mean`) and the tail was
+/// not: out and lse are those of the uncentered keys and values.
 /// Returns {out (B, Hq, L, D) float32, lse (B, Hq, L) float32}.
 std::vector<mx::array> compressed_attention(
     const mx::array& q,
@@ -58,6 +63,8 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& tail_v = std::nullopt,
     const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
     bool rotate_output = true,
+    const std::optional<mx::array>& key_mean = std::nullopt,
+    const std::optional<mx::array>& value_mean = std::nullopt,
     mx::StreamOrDevice s = {});
 
 /// Decodes tokens [start, start + length) into rotated-space float32 vectors

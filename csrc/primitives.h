@@ -51,6 +51,7 @@ enum class AppendTarget { Codes, Scales };
 /// O(new tokens). Each node re-derives the codes of the few new tokens, which is cheap.
 /// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x (B,H,L,D) float
 ///          (float32 on the CPU; GPUs also read float16/bfloat16), centroids (2^b) f32
+///          [, mean (B,H,1,D) f32 when centered: x - mean is quantized]
 /// outputs: the buffer (shares the input buffer when donatable, else a copy)
 class QuantizeAppend : public mx::UnaryPrimitive {
  public:
@@ -59,12 +60,14 @@ class QuantizeAppend : public mx::UnaryPrimitive {
       int bits,
       int offset,
       AppendTarget target,
-      std::optional<SignedHadamard> rotation = std::nullopt)
+      std::optional<SignedHadamard> rotation = std::nullopt,
+      bool centered = false)
       : mx::UnaryPrimitive(stream),
         bits_(bits),
         offset_(offset),
         target_(target),
-        rotation_(rotation) {}
+        rotation_(rotation),
+        centered_(centered) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
@@ -90,12 +93,17 @@ class QuantizeAppend : public mx::UnaryPrimitive {
   const std::optional<SignedHadamard>& rotation() const {
     return rotation_;
   }
+  /// Set: inputs[3] is a per-head mean subtracted from x before anything else.
+  bool centered() const {
+    return centered_;
+  }
 
  private:
   int bits_;
   int offset_;
   AppendTarget target_;
   std::optional<SignedHadamard> rotation_;
+  bool centered_;
 };
 
 /// Settings of one attention call over the compressed cache.
@@ -112,12 +120,22 @@ struct AttentionParams {
   // is returned in model space too (R^T out: values are stored rotated).
   std::optional<SignedHadamard> rotation;
   bool rotate_output;
+  // The compressed tokens were stored minus per-head means (the last two inputs) and
+  // the tail was not: the op adds them back, so out and lse are the uncentered ones.
+  bool centered;
 
   bool operator==(const AttentionParams& o) const {
     return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
         value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
         mask_is_bool == o.mask_is_bool && has_tail == o.has_tail &&
-        rotation == o.rotation && rotate_output == o.rotate_output;
+        rotation == o.rotation && rotate_output == o.rotate_output && centered == o.centered;
+  }
+  // Positions of the optional inputs (see CompressedAttention).
+  int tail_input() const {
+    return 7 + (has_mask ? 1 : 0);
+  }
+  int mean_input() const {
+    return tail_input() + (has_tail ? 2 : 0);
   }
 };
 
@@ -125,8 +143,9 @@ struct AttentionParams {
 /// space, see AttentionParams::rotation).
 /// inputs:  q (B,Hq,L,D) float, k_codes, k_scales, v_codes, v_scales,
 ///          k_centroids, v_centroids [, mask (B,Hq,L,kv_len) bool/float, broadcast allowed]
-///          [, tail_k, tail_v (B,Hkv,T,D) f32: keys every query sees, unmasked; always
-///          in rotated space]
+///          [, tail_k, tail_v (B,Hkv,T,D): keys every query sees, unmasked, in q's
+///          type (float32 on the CPU) and space (the model's when `rotation` is set)]
+///          [, key_mean, value_mean (B,Hkv,1,D) f32 when `centered`]
 /// outputs: out (B,Hq,L,D) f32, lse (B,Hq,L) f32
 class CompressedAttention : public mx::Primitive {
  public:

@@ -558,19 +558,25 @@ TQ_FN void tq_attention_impl(
 }
 
 /// Split-K merge: one threadgroup per query row combines the n_splits partial
-/// results by their log-sum-exp weights, and attends to the tail (float32 keys and
-/// values that every row sees: fp16 sinks and the recent window, in code space) in
-/// the same softmax, so that a decode step's attention is this one call.
+/// results by their log-sum-exp weights, and attends to the tail (keys and values that
+/// every row sees: fp16 sinks and the recent window) in the same softmax, so that a
+/// decode step's attention is this one call. The tail is in the queries' type and
+/// space (model space when the op rotates), so it needs no transform of its own: with
+/// unrotate_out only the compressed tokens' part is rotated back, and with `centered`
+/// their means are added back (TQMergeParams).
 ///   o_part (rows, n_splits, D), ml_part (rows, n_splits, 2) -> out (rows, D), lse (rows)
-///   q (B, Hq, L, D) QT, tail_k / tail_v (B, Hkv, tail_len, D) float [tail_len > 0]
+///   q (B, Hq, L, D) QT [tail or centered]; tail_k / tail_v (B, Hkv, tail_len, D) QT
+///   [tail_len > 0]; key_mean / value_mean (B, Hkv, D) float [centered]
 /// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
 template <typename QT, int D>
 TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* TQ_RESTRICT o_part,
     const TQ_DEV float* TQ_RESTRICT ml_part,
     const TQ_DEV QT* TQ_RESTRICT q,
-    const TQ_DEV float* TQ_RESTRICT tail_k,
-    const TQ_DEV float* TQ_RESTRICT tail_v,
+    const TQ_DEV QT* TQ_RESTRICT tail_k,
+    const TQ_DEV QT* TQ_RESTRICT tail_v,
+    const TQ_DEV float* TQ_RESTRICT key_mean,
+    const TQ_DEV float* TQ_RESTRICT value_mean,
     TQ_DEV float* TQ_RESTRICT out,
     TQ_DEV float* TQ_RESTRICT lse,
     TQ_CONST TQMergeParams& p,
@@ -582,8 +588,8 @@ TQ_FN void tq_attention_merge_impl(
   const TQ_DEV float* ml = ml_part + int64_t(row) * S * 2;
   TQ_TG float* w = smem; // [S] split weights
   TQ_TG float* tw = smem + TQ_MAX_SPLITS; // [T] tail scores, then weights
-  TQ_TG float* qs = tw + TQ_MAX_TAIL; // [D] the query row (tail only)
-  TQ_TG float* red = qs + 256; // [2 * NSG]
+  TQ_TG float* qs = tw + TQ_MAX_TAIL; // [D] the query row, later the output row
+  TQ_TG float* red = qs + 256; // [3 * NSG]
 
   // The first PRE partials of this thread's coordinates are loaded now, so that their
   // latency overlaps the tail scores and the weights instead of following them.
@@ -599,36 +605,49 @@ TQ_FN void tq_attention_merge_impl(
     }
   }
 
-  // Tail scores (log2 units): one simdgroup per token, lanes split the coordinates.
   const int l = row % p.q_len, h = (row / p.q_len) % p.q_heads, b = row / (p.q_len * p.q_heads);
-  const TQ_DEV float* tk = tail_k + b * p.tk_stride[0] + (h / p.gqa) * p.tk_stride[1];
-  const TQ_DEV float* tv = tail_v + b * p.tv_stride[0] + (h / p.gqa) * p.tv_stride[1];
-  if (T > 0) {
+  const int kvh = h / p.gqa;
+  const TQ_DEV QT* tk = tail_k + b * p.tk_stride[0] + kvh * p.tk_stride[1];
+  const TQ_DEV QT* tv = tail_v + b * p.tv_stride[0] + kvh * p.tv_stride[1];
+  const TQ_DEV float* mk = key_mean + b * p.mean_stride[0] + kvh * p.mean_stride[1];
+  const TQ_DEV float* mv = value_mean + b * p.mean_stride[0] + kvh * p.mean_stride[1];
+  // q . key_mean (log2 units): what centering took off every compressed token's score.
+  float shift = 0.0f;
+  if (T > 0 || p.centered != 0) { // uniform
     const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
-    if (TQRotatable<D>::value && p.rot.on != 0) { // uniform: R q = H (s q) / sqrt(D)
-      for (int d = int(th.tid); d < D; d += NT) {
-        const float x = tq_to_float(qr[d]);
-        qs[d] = tq_rot_negates(p.rot, d) ? -x : x;
-      }
-      tq_fwht_threadgroup<D, NT>(qs, int(th.tid));
-      for (int d = int(th.tid); d < D; d += NT) {
-        qs[d] = qs[d] * (p.rot.scale * p.scale_log2);
-      }
-    } else {
-      for (int d = int(th.tid); d < D; d += NT) {
-        qs[d] = tq_to_float(qr[d]) * p.scale_log2;
-      }
+    float part = 0.0f;
+    for (int d = int(th.tid); d < D; d += NT) {
+      const float x = tq_to_float(qr[d]) * p.scale_log2;
+      qs[d] = x;
+      part += p.centered != 0 ? x * mk[d] : 0.0f;
+    }
+    part = tq_simd_sum(part);
+    if (th.lane == 0) {
+      red[2 * NSG + th.simd] = part;
     }
     tq_threadgroup_barrier();
-    for (int j = int(th.simd); j < T; j += NSG) {
-      const TQ_DEV float* kr = tk + j * p.tk_stride[2];
+    for (int k = 0; k < NSG; ++k) {
+      shift += red[2 * NSG + k];
+    }
+  }
+  // Tail scores, in the compressed tokens' frame (minus the shift): groups of 8 lanes
+  // per token, 4 tokens per simdgroup at a time, so that each lane's loads are
+  // independent and a token's sum takes three shuffles.
+  if (T > 0) {
+    constexpr int LPT = 8, TPS = TQ_SIMD / LPT;
+    const int sub = int(th.lane) / LPT, part_lane = int(th.lane) % LPT;
+    for (int j0 = int(th.simd) * TPS; j0 < T; j0 += NSG * TPS) { // uniform per simdgroup
+      const int j = min(j0 + sub, T - 1);
+      const TQ_DEV QT* kr = tk + j * p.tk_stride[2];
       float dot = 0.0f;
-      for (int d = int(th.lane); d < D; d += TQ_SIMD) {
-        dot += qs[d] * kr[d];
+      TQ_UNROLL
+      for (int i = 0; i < D / LPT; ++i) {
+        const int d = part_lane + i * LPT;
+        dot += qs[d] * tq_to_float(kr[d]);
       }
-      dot = tq_simd_sum(dot);
-      if (th.lane == 0) {
-        tw[j] = dot;
+      dot = tq_group_sum<LPT>(dot);
+      if (part_lane == 0 && j0 + sub < T) {
+        tw[j] = dot - shift;
       }
     }
     tq_threadgroup_barrier();
@@ -650,31 +669,40 @@ TQ_FN void tq_attention_merge_impl(
   for (int k = 1; k < NSG; ++k) {
     mm = tq_fmax(mm, red[k]);
   }
-  float ll = 0.0f;
+  // lc: the compressed tokens' share of the softmax sum (their values get value_mean)
+  float lc = 0.0f, lt = 0.0f;
   for (int s = int(th.tid); s < S; s += NT) {
     const float ms = ml[2 * s];
     const float ws = (mm == tq_neg_inf() || ms == tq_neg_inf()) ? 0.0f : tq_exp2(ms - mm);
     w[s] = ws;
-    ll += ml[2 * s + 1] * ws;
+    lc += ml[2 * s + 1] * ws;
   }
   for (int j = int(th.tid); j < T; j += NT) {
     const float wj = tq_exp2(tw[j] - mm); // tail scores are finite: mm is too
     tw[j] = wj;
-    ll += wj;
+    lt += wj;
   }
-  ll = tq_simd_sum(ll);
+  lc = tq_simd_sum(lc);
+  lt = tq_simd_sum(lt);
   if (th.lane == 0) {
-    red[NSG + th.simd] = ll;
+    red[NSG + th.simd] = lc;
+    red[2 * NSG + th.simd] = lt; // (the shift's partial sums are read by now)
   }
   tq_threadgroup_barrier();
-  ll = 0.0f;
+  lc = 0.0f;
+  lt = 0.0f;
   for (int k = 0; k < NSG; ++k) {
-    ll += red[NSG + k];
+    lc += red[NSG + k];
+    lt += red[2 * NSG + k];
   }
+  const float ll = lc + lt;
 
+  const bool unrotate = TQRotatable<D>::value && p.unrotate_out != 0; // uniform
+  float tail_o[DPT];
   TQ_UNROLL
   for (int k = 0; k < DPT; ++k) {
     const int d = int(th.tid) + k * NT;
+    tail_o[k] = 0.0f;
     if (d >= D) {
       break;
     }
@@ -698,44 +726,62 @@ TQ_FN void tq_attention_merge_impl(
     for (; s < S; ++s, ps += D) {
       a0 += ps[0] * w[s];
     }
-    for (int j = 0; j < T; ++j) {
-      a1 += tv[j * p.tv_stride[2] + d] * tw[j];
+    const float oc = (a0 + a1) + (a2 + a3);
+    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+    const TQ_DEV QT* pv = tv + d;
+    const int64_t vs = p.tv_stride[2];
+    int j = 0;
+    for (; j + 4 <= T; j += 4, pv += 4 * vs) {
+      t0 += tq_to_float(pv[0]) * tw[j];
+      t1 += tq_to_float(pv[vs]) * tw[j + 1];
+      t2 += tq_to_float(pv[2 * vs]) * tw[j + 2];
+      t3 += tq_to_float(pv[3 * vs]) * tw[j + 3];
     }
-    const float acc = (a0 + a1) + (a2 + a3);
-    const float o = ll > 0.0f ? acc / ll : 0.0f;
-    if (TQRotatable<D>::value && p.unrotate_out != 0) {
-      qs[d] = o; // the tail scores are done with the query row
+    for (; j < T; ++j, pv += vs) {
+      t0 += tq_to_float(pv[0]) * tw[j];
+    }
+    tail_o[k] = ((t0 + t1) + (t2 + t3)) + (p.centered != 0 ? lc * mv[d] : 0.0f);
+    if (unrotate) {
+      qs[d] = oc; // the tail scores are done with the query row
     } else {
-      out[int64_t(row) * D + d] = o;
+      out[int64_t(row) * D + d] = ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f;
     }
   }
-  if (TQRotatable<D>::value && p.unrotate_out != 0) { // uniform: R^T o = s (H o) / sqrt(D)
+  if (unrotate) { // R^T o = s (H o) / sqrt(D), then the tail and means (model space)
     tq_fwht_threadgroup<D, NT>(qs, int(th.tid));
-    for (int d = int(th.tid); d < D; d += NT) {
+    TQ_UNROLL
+    for (int k = 0; k < DPT; ++k) {
+      const int d = int(th.tid) + k * NT;
+      if (d >= D) {
+        break;
+      }
       const float y = qs[d] * p.rot.scale;
-      out[int64_t(row) * D + d] = tq_rot_negates(p.rot, d) ? -y : y;
+      const float oc = tq_rot_negates(p.rot, d) ? -y : y;
+      out[int64_t(row) * D + d] = ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f;
     }
   }
   if (th.tid == 0) {
-    lse[row] = ll > 0.0f ? (mm + tq_log2(ll)) * 0.6931471805599453f : tq_neg_inf();
+    lse[row] = ll > 0.0f ? (mm + tq_log2(ll) + shift) * 0.6931471805599453f : tq_neg_inf();
   }
 }
 
 // ============================================================================ quantize
 
 /// Quantizes token vectors of x (rotated space, or model space rotated here when
-/// p.rot.on) and writes their packed codes or their scales into the cache buffer at
+/// p.rot.on; minus the head's mean first when p.centered) and writes their packed codes or their scales into the cache buffer at
 /// token slot offset + position. One simdgroup per vector; the arithmetic follows
 /// docs/ARCHITECTURE.md in the same order as the CPU backend (sequential float32 sums,
 /// never fused), so that codes and scales match it bit for bit.
 ///   x (batch, heads, length, D) XT (float, half, bfloat16 bits); cent (2^B) float
 ///   codes (batch, heads, cap, D*B/32) uint [write_codes]; scales (batch, heads, cap) half
+///   mean (batch, heads, D) float [centered]
 /// Grid: ceil(batch*heads*length / TQ_QUANT_SIMDGROUPS) threadgroups of TQ_QUANT_THREADS;
 /// smem: 32 + TQ_QUANT_SIMDGROUPS * 2 * D floats.
 template <typename XT, int D, int B>
 TQ_FN void tq_quantize_impl(
     const TQ_DEV XT* TQ_RESTRICT x,
     const TQ_DEV float* TQ_RESTRICT cent,
+    const TQ_DEV float* TQ_RESTRICT mean,
     TQ_DEV tq_uint* TQ_RESTRICT codes,
     TQ_DEV tq_half* TQ_RESTRICT scales,
     TQ_CONST TQQuantParams& p,
@@ -769,6 +815,13 @@ TQ_FN void tq_quantize_impl(
   TQ_UNROLL
   for (int k = 0; k < PER; ++k) {
     xr[k] = tq_to_float(xp[int(th.lane) + k * TQ_SIMD]);
+  }
+  if (p.centered != 0) { // uniform; one float32 subtraction, as on the CPU
+    const TQ_DEV float* mp = mean + b * p.mean_stride[0] + h * p.mean_stride[1];
+    TQ_UNROLL
+    for (int k = 0; k < PER; ++k) {
+      xr[k] = tq_add_rn(xr[k], -mp[int(th.lane) + k * TQ_SIMD]);
+    }
   }
   if (TQRotatable<D>::value && p.rot.on != 0) { // uniform
     tq_rotate_strided<PER>(xr, p.rot, int(th.lane));
@@ -926,34 +979,38 @@ template <typename QT, int D>
     const device float* o_part [[buffer(0)]],
     const device float* ml_part [[buffer(1)]],
     const device QT* q [[buffer(2)]],
-    const device float* tail_k [[buffer(3)]],
-    const device float* tail_v [[buffer(4)]],
-    device float* out [[buffer(5)]],
-    device float* lse [[buffer(6)]],
-    constant TQMergeParams& p [[buffer(7)]],
+    const device QT* tail_k [[buffer(3)]],
+    const device QT* tail_v [[buffer(4)]],
+    const device float* key_mean [[buffer(5)]],
+    const device float* value_mean [[buffer(6)]],
+    device float* out [[buffer(7)]],
+    device float* lse [[buffer(8)]],
+    constant TQMergeParams& p [[buffer(9)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[TQ_MERGE_SMEM];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, th);
+  tq_attention_merge_impl<QT, D>(
+      o_part, ml_part, q, tail_k, tail_v, key_mean, value_mean, out, lse, p, smem, th);
 }
 
 template <typename XT, int D, int B>
 [[kernel]] void tq_quantize(
     const device XT* x [[buffer(0)]],
     const device float* cent [[buffer(1)]],
-    device uint* codes [[buffer(2)]],
-    device half* scales [[buffer(3)]],
-    constant TQQuantParams& p [[buffer(4)]],
+    const device float* mean [[buffer(2)]],
+    device uint* codes [[buffer(3)]],
+    device half* scales [[buffer(4)]],
+    constant TQQuantParams& p [[buffer(5)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_quantize_impl<XT, D, B>(x, cent, codes, scales, p, smem, th);
+  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, th);
 }
 
 template <int B>

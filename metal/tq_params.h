@@ -89,12 +89,17 @@ struct TQAttnParams {
 // copies a cache that is not, see vector_aligned in the backends).
 
 /// Split-K merge (pass 2): rows = batch * q_heads * q_len, row = (b * q_heads + h) *
-/// q_len + l. With tail_len > 0 it also attends to the tail: float32 keys/values
-/// (batch, kv_heads, tail_len, D) that every query row sees.
+/// q_len + l. With tail_len > 0 it also attends to the tail: keys/values (batch,
+/// kv_heads, tail_len, D) in the queries' type and space (model space when rot.on)
+/// that every query row sees. With centered != 0 the compressed tokens were stored
+/// minus the per-head means key_mean / value_mean (float32 (batch, kv_heads, D), in the
+/// queries' space) and the tail was not: the merge adds the means back, so that out
+/// and lse are those of the uncentered keys and values.
 struct TQMergeParams {
-  int64_t q_stride[3]; // q: batch, head, position (read only with a tail)
+  int64_t q_stride[3]; // q: batch, head, position (read with a tail or means)
   int64_t tk_stride[3]; // tail keys: batch, kv head, token (last axis contiguous)
   int64_t tv_stride[3]; // tail values
+  int64_t mean_stride[2]; // key_mean / value_mean: batch, kv head (last axis contiguous)
   int rows;
   int n_splits;
   int q_heads;
@@ -102,10 +107,10 @@ struct TQMergeParams {
   int gqa; // q_heads / kv_heads
   int tail_len; // 0: no tail
   float scale_log2; // softmax scale * log2(e)
-  int unrotate_out; // 1: write R^T out (values are stored rotated, the caller wants
-                    // the model's space)
-  TQRotation rot; // rot.on: q is in model space (rotated here for the tail scores);
-                  // also the R of unrotate_out
+  int unrotate_out; // 1: write R^T o for the compressed tokens' part (their values are
+                    // stored rotated, the caller wants the model's space)
+  int centered; // 1: key_mean / value_mean are given (see above)
+  TQRotation rot; // the R of unrotate_out
 };
 
 /// Quantize-and-append: x (batch, heads, length, D) float32, float16 or bfloat16.
@@ -113,11 +118,13 @@ struct TQQuantParams {
   int64_t x_stride[3]; // batch, head, position (last axis contiguous)
   int64_t c_stride[3]; // codes buffer: batch, head, token (words)
   int64_t s_stride[3]; // scales buffer: batch, head, token
+  int64_t mean_stride[2]; // mean (float32, centered only): batch, head (last axis contiguous)
   int batch;
   int heads;
   int length;
   int offset; // first token slot written
   int write_codes; // 1: write packed codes, 0: write scales
+  int centered; // 1: quantize x - mean (before the rotation)
   TQRotation rot; // rot.on: x is in model space, the kernel rotates it first
 };
 

@@ -964,10 +964,16 @@ def test_sinks_only_tail_is_transformed_once(monkeypatch):
     assert tails[0].shape[2] == 4 and tails[1] is tails[0] and tails[2] is tails[0]
 
 
-def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
-    # A decode step keeps its tail (sinks and window) in code space; the window token
-    # that leaves at the next step is quantized from it instead of transformed again.
-    # The stored codes must be those of a cache that transforms it (no attention calls).
+@pytest.mark.parametrize("op_rotation", [True, False], ids=["op-rotation", "host-rotation"])
+def test_window_tokens_leave_without_reading_the_window(monkeypatch, op_rotation):
+    # The window token that leaves at a decode step is quantized from what the cache
+    # kept of it: with the rotation in the ops, the token as it arrived (so that the
+    # append does not hold the window buffer the step writes into); around the ops,
+    # the code-space copy in the last step's tail (not transformed again). The stored
+    # codes must be those of a cache that makes no attention calls.
+    import turboquant_mlx.cache as tq_cache
+
+    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
     cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
                key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
     rng = np.random.default_rng(4)
@@ -978,28 +984,40 @@ def test_window_tokens_leave_through_the_decode_tail_bit_exact(monkeypatch):
         c.update_and_fetch(k, v)
     attending.attention(_rand(rng, (B, 2 * H, 40, D)), 0.125, "causal")
     # (the storing cache calibrates on the same 36 tokens at its next update)
-    transformed = []
+    quantized, arrived = [], []
     quantize = attending._quantize
-    for step in range(12):
+    for step in range(20):
         if step == 1:  # the first decode step has no tail from a previous one
             monkeypatch.setattr(
-                attending, "_quantize", lambda *a: transformed.append(a) or quantize(*a))
+                attending, "_quantize", lambda *a: quantized.append(a) or quantize(*a))
         k, v = _rand(rng, (B, H, 1, D)) + 2.0, _rand(rng, (B, H, 1, D))
         for c in (attending, storing):
             c.update_and_fetch(k, v)
+        arrived.append(attending._new_token)
         attending.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
-    assert transformed == []  # every leaving token came from the tail
-    assert attending._n_comp == storing._n_comp == 40 + 12 - 4 - 8
+    if op_rotation:
+        # the 12 tokens that left after arriving alone (steps 8-19): each from its own
+        # arrays; the 7 before them came with the prefill
+        assert len(quantized) == 19
+        from_arrival = [any(a[0] is t[0] and a[1] is t[1] for t in arrived) for a in quantized]
+        assert from_arrival == [False] * 7 + [True] * 12
+    else:
+        assert quantized == []  # every leaving token came from the tail
+    assert attending._n_comp == storing._n_comp == 40 + 20 - 4 - 8
     for a, b in zip(attending.state, storing.state):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
-def test_ring_decode_equals_rebuilding_the_tail(monkeypatch):
+@pytest.mark.parametrize("op_rotation", [True, False], ids=["op-rotation", "host-rotation"])
+def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     # Single-token steps keep the tail as a ring (the new token takes the leaving
     # token's slot) and append to the window in place. Over several wraps of the ring
     # and rebuilds of the window buffer, every output, the codes and the window must be
     # those of a cache that rebuilds its tail from the fp16 window at every step.
+    # (The ring is in model space with the rotation in the ops, else in code space.)
     import turboquant_mlx.cache as tq_cache
+
+    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
 
     cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
                calibration_tokens=16, seed=5)
@@ -1038,9 +1056,10 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch):
         ring.update_and_fetch(_rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D)))
         ring.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
     assert len(concatenations) == 2
-    # nbytes counts the window's whole buffer and the code-space ring.
+    # nbytes counts the window's whole buffer and the ring.
     win_buffer = 2 * B * H * (ring._win_buf[0].shape[2]) * D * 2
-    ring_bytes = 2 * B * H * (3 + 8) * D * 4
+    ring_bytes = 2 * B * H * (3 + 8) * D * (2 if op_rotation else 4)
+    assert ring._ring[0].nbytes + ring._ring[1].nbytes == ring_bytes
     assert ring._win_buf[0].shape[2] > ring._win_k.shape[2]
     assert ring.nbytes >= ring.used_nbytes - ring._win_k.nbytes - ring._win_v.nbytes + (
         win_buffer + ring_bytes)

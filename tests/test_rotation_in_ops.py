@@ -79,9 +79,11 @@ def test_quantize_append_rotates_model_space_tokens(head_dim, bits, x_dtype):
 
 def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=4,
                               kv_heads=2, tail=0, rotate_output=True, key_bits=4,
-                              value_bits=4, stream=None):
-    """compressed_attention on model-space queries, and the reference on the same
-    queries rotated in float64 (its output rotated back when ``rotate_output``)."""
+                              value_bits=4, centered=False, stream=None):
+    """compressed_attention on model-space queries and a model-space tail (in the
+    queries' dtype), and the float64 reference over the compressed tokens rotated back
+    to model space (keys always, values when ``rotate_output``), the means added back
+    when ``centered``, and the tail."""
     rotation = Rotation(head_dim, seed=3 * head_dim + kv_len)
     R = rotation.matrix()
     capacity = kv_len + 5
@@ -90,24 +92,32 @@ def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=
     q = mx.array(2.0 * rng.standard_normal((1, kv_heads * group, q_len, head_dim))).astype(q_dtype)
     tail_k = tail_v = None
     if tail:
-        tail_k = (2.0 * rng.standard_normal((1, kv_heads, tail, head_dim))).astype(np.float32)
-        tail_v = rng.standard_normal((1, kv_heads, tail, head_dim)).astype(np.float32)
+        tail_k = mx.array(2.0 * rng.standard_normal((1, kv_heads, tail, head_dim))).astype(q_dtype)
+        tail_v = mx.array(rng.standard_normal((1, kv_heads, tail, head_dim))).astype(q_dtype)
+    mu_k = mu_v = None
+    if centered:
+        mu_k = rng.standard_normal((1, kv_heads, 1, head_dim)).astype(np.float32)
+        mu_v = (0.5 * rng.standard_normal((1, kv_heads, 1, head_dim))).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = ops.compressed_attention(
         q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
         mx.array(centroids_np(head_dim, key_bits)), mx.array(centroids_np(head_dim, value_bits)),
-        kv_len, scale, key_bits, value_bits, True, None,
-        tail_k=None if tail_k is None else mx.array(tail_k),
-        tail_v=None if tail_v is None else mx.array(tail_v),
-        rotation_signs=rotation.kernel_signs, rotate_output=rotate_output, stream=stream,
+        kv_len, scale, key_bits, value_bits, True, None, tail_k=tail_k, tail_v=tail_v,
+        rotation_signs=rotation.kernel_signs, rotate_output=rotate_output,
+        key_mean=None if mu_k is None else mx.array(mu_k),
+        value_mean=None if mu_v is None else mx.array(mu_v), stream=stream,
     )
-    q_rot = to_np(q).astype(np.float64) @ R.T
+    k_model = k_hat.astype(np.float64) @ R
+    v_model = v_hat.astype(np.float64) @ R if rotate_output else v_hat.astype(np.float64)
+    if centered:
+        k_model = k_model + mu_k
+        v_model = v_model + mu_v
+    tk = None if tail_k is None else to_np(tail_k).astype(np.float64)
+    tv = None if tail_v is None else to_np(tail_v).astype(np.float64)
     ref_out, ref_lse = reference.attention(
-        q_rot, k_hat, v_hat, scale, kv_len, True, None, tail_k, tail_v
+        to_np(q).astype(np.float64), k_model, v_model, scale, kv_len, True, None, tk, tv
     )
-    if rotate_output:
-        ref_out = ref_out @ R
-    v_all = v_hat if tail_v is None else np.concatenate([v_hat, tail_v], axis=2)
+    v_all = v_model[:, :, :kv_len] if tv is None else np.concatenate([v_model[:, :, :kv_len], tv], axis=2)
     return np.array(out), np.array(lse), ref_out, ref_lse, float(np.abs(v_all).max())
 
 
@@ -125,6 +135,80 @@ def test_attention_on_model_space_queries(head_dim, q_dtype, rotate_output):
         err = np.abs(out - ref_out).max() / v_max
         assert err <= rtol, f"kv_len {kv_len}: out error {err:.3g} of max |v|"
         np.testing.assert_allclose(lse, ref_lse, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_attention_adds_the_means_back(head_dim, q_dtype):
+    # A mean-centered cache: compressed tokens stored minus mu_k / mu_v, a model-space
+    # tail that was not; out and lse are those of the uncentered keys and values.
+    rng = np.random.default_rng(5 * head_dim)
+    rtol = attention_rtol(q_dtype, head_dim, 4, 4)
+    if q_dtype == mx.bfloat16:
+        rtol *= 8  # the tail and queries carry bfloat16's 8-bit mantissa
+    for kv_len, q_len, tail, rotate_output in ((40, 1, 36, True), (5000, 1, 36, True),
+                                               (300, 2, 0, True), (700, 1, 5, False)):
+        out, lse, ref_out, ref_lse, v_max = run_model_space_attention(
+            rng, head_dim=head_dim, q_dtype=q_dtype, kv_len=kv_len, q_len=q_len, tail=tail,
+            rotate_output=rotate_output, centered=True,
+        )
+        err = np.abs(out - ref_out).max() / v_max
+        assert err <= rtol, f"kv_len {kv_len}, tail {tail}: out error {err:.3g} of max |v|"
+        np.testing.assert_allclose(lse, ref_lse, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("bits", (2, 4))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_quantize_append_subtracts_the_mean(head_dim, bits):
+    # x - mean, then rotated, as the codec quantizes a centered cache's tokens: the same
+    # codes and scales as appending the centered tokens themselves.
+    rng = np.random.default_rng(11 * head_dim + bits)
+    batch, heads, length, capacity, offset = 2, 3, 5, 8, 2
+    rotation = Rotation(head_dim, seed=bits)
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    x = random_tokens(rng, (batch, heads, length, head_dim)).astype(np.float32)
+    mean = rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32)
+    cent = mx.array(centroids_np(head_dim, bits))
+    got = ops.quantize_append(
+        mx.array(words), mx.array(scales), mx.array(x), cent, offset, bits,
+        rotation_signs=rotation.kernel_signs, mean=mx.array(mean),
+    )
+    want = ops.quantize_append(
+        mx.array(words), mx.array(scales), mx.array(x - mean), cent, offset, bits,
+        rotation_signs=rotation.kernel_signs,
+    )
+    np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+    # (test_quantize_append_rotates_model_space_tokens checks `want` against the reference)
+
+
+def test_mean_arguments_are_checked():
+    rng = np.random.default_rng(3)
+    D, bits = 64, 4
+    words, scales = poisoned_cache(rng, 1, 2, 8, D, bits)
+    cent = mx.array(centroids_np(D, bits))
+    x = mx.array(random_tokens(rng, (1, 2, 1, D)))
+    with pytest.raises(ValueError) as e:
+        ops.quantize_append(mx.array(words), mx.array(scales), x, cent, 0, bits,
+                            mean=mx.zeros((1, 2, D)))
+    assert_op_error(e, "quantize_append", "mean must have shape (1, 2, 1, 64)")
+    if mx.default_device() == mx.cpu:  # (GPU appends do not check values: no sync)
+        bad = np.zeros((1, 2, 1, D), np.float32)
+        bad[0, 1, 0, 7] = np.nan
+        with pytest.raises(RuntimeError) as e:
+            mx.eval(ops.quantize_append(mx.array(words), mx.array(scales), x, cent, 0, bits,
+                                        mean=mx.array(bad)))
+        assert_op_error(e, "quantize_append", "mean has a non-finite value", "head 1")
+    q = mx.zeros((1, 4, 1, D))
+    args = (q, mx.array(words), mx.array(scales), mx.array(words), mx.array(scales), cent,
+            cent, 4, 0.125, bits, bits, False)
+    with pytest.raises(ValueError) as e:
+        ops.compressed_attention(*args, key_mean=mx.zeros((1, 2, 1, D)))
+    assert_op_error(e, "compressed_attention", "key_mean and value_mean must be given together")
+    with pytest.raises(ValueError) as e:
+        ops.compressed_attention(*args, key_mean=mx.zeros((1, 2, 1, D)),
+                                 value_mean=mx.zeros((1, 4, 1, D)))
+    assert_op_error(e, "compressed_attention", "value_mean must have shape (1, 2, 1, 64)")
 
 
 def test_fallback_rotation_matches_rotation_class():

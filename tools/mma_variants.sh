@@ -6,12 +6,8 @@
 #   bash tools/mma_variants.sh "TQ_MMA_TILES=1;TQ_MMA_WARPS_4BIT=12" "TQ_MMA_TILES=2;TQ_MMA_WARPS_4BIT=8"
 # TQ_VARIANT_ARGS: kernel_time.py arguments (default: K4V4 at 4k, 128k, 256k).
 # TQ_VARIANT_TESTS=0: no tests (TQ_MMA_PROBE builds compute wrong results by design).
-# Knobs: TQ_MMA_TILES, TQ_MMA_WARPS_4BIT, TQ_MMA_PSTRIDE, TQ_MMA_TAIL, TQ_MMA_CHAINS_4BIT, TQ_MMA_PROBE
+# Knobs: TQ_MMA_TILES, TQ_MMA_WARPS_4BIT, TQ_MMA_PSTRIDE, TQ_MMA_CHAINS_4BIT, TQ_MMA_PROBE
 # (attention_mma.cuh).
-# A TQ_MMA_TAIL=1 build attends to the op's tail in the kernel when TURBOQUANT_ATTN_TAIL=kernel
-# (the tests tagged tail-in-kernel set it); to time that:
-#   TURBOQUANT_ATTN_TAIL=kernel TQ_VARIANT_ARGS="--tail 36 --lengths 4096,131072 --bits 4v4" \
-#     bash tools/mma_variants.sh "TQ_MMA_TAIL=0" "TQ_MMA_TAIL=1"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tq_out}"

@@ -5,7 +5,9 @@
 // KV head (its GQA query heads × query positions), so the packed cache is read once.
 // Items produce partial softmax results (max, sum, weighted value sum) that are merged
 // with log-sum-exp, like a two-pass split-K GPU kernel; the tail (uncompressed keys and
-// values every query sees) is one more partial.
+// values every query sees, in the queries' space) is one more partial. The merge
+// rotates the compressed tokens' part back to model space and adds the means of a
+// centered cache (see AttentionParams) before the tail's part joins it.
 #include <cmath>
 #include <limits>
 
@@ -76,7 +78,9 @@ template <int KB, int VB>
 void attention_impl(
     const Shapes& sh,
     const AttentionParams& p,
-    const float* q,
+    const TQRotation& rot,
+    const float* q, // queries in code space (rotated)
+    const float* q_model, // as given: the tail's space
     const uint32_t* k_codes,
     const mx::float16_t* k_scales,
     const uint32_t* v_codes,
@@ -87,6 +91,8 @@ void attention_impl(
     const float* tail_k, // (B, Hkv, T, D) or nullptr
     const float* tail_v,
     int tail_len,
+    const float* key_mean, // (B, Hkv, D) or nullptr
+    const float* value_mean,
     float* out,
     float* lse) {
   Decoder<KB> k_decoder(k_centroids);
@@ -168,11 +174,27 @@ void attention_impl(
     }
   });
 
-  // The tail of each (batch, KV head): every row sees all of it.
+  // Per row: what centering took off every compressed token's score, scale * (q . mu_k).
+  std::vector<float> shifts(static_cast<size_t>(sh.batch) * sh.kv_heads * R, 0.0f);
+  if (key_mean) {
+    for (int bh = 0; bh < sh.batch * sh.kv_heads; ++bh) {
+      int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
+      const float* q_rows =
+          q_model + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
+      for (int r = 0; r < R; ++r) {
+        shifts[static_cast<size_t>(bh) * R + r] =
+            dot(q_rows + r * D, key_mean + static_cast<int64_t>(bh) * D, D) * p.scale;
+      }
+    }
+  }
+
+  // The tail of each (batch, KV head): every row sees all of it. Scores in the
+  // compressed tokens' frame (minus the shift).
   std::vector<Partial> tails(tail_len > 0 ? sh.batch * sh.kv_heads : 0);
   parallel_for(static_cast<int>(tails.size()), [&](int bh) {
     int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
-    const float* q_rows = q + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
+    const float* q_rows =
+        q_model + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
     const float* tk = tail_k + static_cast<int64_t>(bh) * tail_len * D;
     const float* tv = tail_v + static_cast<int64_t>(bh) * tail_len * D;
     Partial& part = tails[bh];
@@ -183,7 +205,8 @@ void attention_impl(
     for (int r = 0; r < R; ++r) {
       float m = kNegInf;
       for (int j = 0; j < tail_len; ++j) {
-        scores[j] = dot(q_rows + r * D, tk + static_cast<int64_t>(j) * D, D) * p.scale;
+        scores[j] = dot(q_rows + r * D, tk + static_cast<int64_t>(j) * D, D) * p.scale -
+            shifts[static_cast<size_t>(bh) * R + r];
         m = std::max(m, scores[j]);
       }
       float sum = 0.0f;
@@ -221,15 +244,34 @@ void attention_impl(
         lse[row_index] = kNegInf;
         continue;
       }
-      float sum = 0.0f;
-      for (int c = 0; c < n_chunks + (tail ? 1 : 0); ++c) {
-        const Partial& part = c < n_chunks ? partials[bh * n_chunks + c] : *tail;
+      // The compressed tokens' part (code space), then in model space.
+      float sum_c = 0.0f;
+      for (int c = 0; c < n_chunks; ++c) {
+        const Partial& part = partials[bh * n_chunks + c];
         if (part.max[r] == kNegInf) {
           continue;
         }
         float w = std::exp(part.max[r] - m);
-        sum += part.sum[r] * w;
+        sum_c += part.sum[r] * w;
         const float* acc = part.acc.data() + static_cast<size_t>(r) * D;
+        for (int i = 0; i < D; ++i) {
+          o[i] += acc[i] * w;
+        }
+      }
+      if (p.rotate_output) {
+        unrotate_signed_hadamard(o, D, rot.sign_bits, rot.scale);
+      }
+      if (value_mean) {
+        const float* mv = value_mean + static_cast<int64_t>(bh) * D;
+        for (int i = 0; i < D; ++i) {
+          o[i] += sum_c * mv[i];
+        }
+      }
+      float sum = sum_c;
+      if (tail && tail->max[r] != kNegInf) {
+        float w = std::exp(tail->max[r] - m);
+        sum += tail->sum[r] * w;
+        const float* acc = tail->acc.data() + static_cast<size_t>(r) * D;
         for (int i = 0; i < D; ++i) {
           o[i] += acc[i] * w;
         }
@@ -238,7 +280,7 @@ void attention_impl(
       for (int i = 0; i < D; ++i) {
         o[i] *= inv;
       }
-      lse[row_index] = m + std::log(sum);
+      lse[row_index] = m + std::log(sum) + shifts[static_cast<size_t>(bh) * R + r];
     }
   }
 }
@@ -291,11 +333,13 @@ void attention(
   const float* tail_v = nullptr;
   int tail_len = 0;
   if (p.has_tail) {
-    auto& tk = inputs[inputs.size() - 2];
+    auto& tk = inputs[p.tail_input()];
     tail_k = tk.data<float>();
-    tail_v = inputs.back().data<float>();
+    tail_v = inputs[p.tail_input() + 1].data<float>();
     tail_len = tk.shape(2);
   }
+  const float* key_mean = p.centered ? inputs[p.mean_input()].data<float>() : nullptr;
+  const float* value_mean = p.centered ? inputs[p.mean_input() + 1].data<float>() : nullptr;
   const TQRotation rot = kernel_rotation(p.rotation, sh.head_dim);
   encoder.dispatch([sh,
                     p,
@@ -304,6 +348,8 @@ void attention(
                     tail_k,
                     tail_v,
                     tail_len,
+                    key_mean,
+                    value_mean,
                     q_ptr = q.data<float>(),
                     kc = inputs[1].data<uint32_t>(),
                     ks = inputs[2].data<mx::float16_t>(),
@@ -325,15 +371,10 @@ void attention(
     dispatch_bits(p.key_bits, [&]<int KB>() {
       dispatch_bits(p.value_bits, [&]<int VB>() {
         attention_impl<KB, VB>(
-            sh, p, q_in, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v, tail_len,
-            out_ptr, lse_ptr);
+            sh, p, rot, q_in, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v,
+            tail_len, key_mean, value_mean, out_ptr, lse_ptr);
       });
     });
-    if (p.rotate_output) {
-      for (int64_t r = 0; r < n_rows; ++r) {
-        unrotate_signed_hadamard(out_ptr + r * D, D, rot.sign_bits, rot.scale);
-      }
-    }
   });
 }
 

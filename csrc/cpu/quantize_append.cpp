@@ -74,7 +74,13 @@ void quantize_append(
   bool write_codes = prim.target() == AppendTarget::Codes;
   int words = write_codes ? out.shape(3) : 0;
   TQRotation rot = kernel_rotation(prim.rotation(), head_dim);
+  const float* mean_ptr = nullptr;
+  if (prim.centered()) {
+    encoder.set_input_array(inputs[3]);
+    mean_ptr = inputs[3].data<float>();
+  }
   encoder.dispatch([x_ptr = x.data<float>(),
+                    mean_ptr,
                     rot,
                     c_ptr = centroids.data<float>(),
                     codes_ptr = write_codes ? out.data<uint32_t>() : nullptr,
@@ -105,11 +111,29 @@ void quantize_append(
         }
       }
     }
+    const float* y_ptr = x_ptr;
+    // A centered cache's tokens: minus their head's mean first, into scratch.
+    std::vector<float> centered;
+    if (mean_ptr) {
+      centered.resize(static_cast<size_t>(n_vectors) * head_dim);
+      for (int v = 0; v < n_vectors; ++v) {
+        const float* m = mean_ptr + static_cast<int64_t>(v / length) * head_dim;
+        for (int i = 0; i < head_dim; ++i) {
+          const float c = x_ptr[static_cast<int64_t>(v) * head_dim + i] - m[i];
+          if (!std::isfinite(c)) {
+            throw std::invalid_argument(message(
+                "[turboquant_mlx.quantize_append] mean has a non-finite value ", m[i],
+                " at coordinate ", i, " of head ", (v / length) % heads, "; nothing was written."));
+          }
+          centered[static_cast<size_t>(v) * head_dim + i] = c;
+        }
+      }
+      y_ptr = centered.data();
+    }
     // Model-space tokens: rotate them first, into scratch.
     std::vector<float> rotated;
-    const float* y_ptr = x_ptr;
     if (rot.on) {
-      rotated = rotated_rows(x_ptr, n_vectors, head_dim, rot.sign_bits, rot.scale);
+      rotated = rotated_rows(y_ptr, n_vectors, head_dim, rot.sign_bits, rot.scale);
       y_ptr = rotated.data();
     }
     // Quantize everything into scratch first, so that a token whose scale does not

@@ -46,12 +46,6 @@
 #ifndef TQ_MMA_WARPS_4BIT
 #define TQ_MMA_WARPS_4BIT 16 // warps per block, K4V4, head dim <= 128, one row block
 #endif
-#ifndef TQ_MMA_TAIL
-// 1: the kernel can attend to the op's tail itself (last split's blocks, selected at run
-// time by TURBOQUANT_ATTN_TAIL=kernel) instead of the merge. Experimental, not yet run on
-// a GPU; at 128 registers (K4V4, 16 warps) it costs a 4-byte spill. 0 compiles it out.
-#define TQ_MMA_TAIL 0
-#endif
 #ifndef TQ_MMA_CHAINS_4BIT
 // independent score mma chains, K4V4 at head dims <= 128, one row block (divides D / 16;
 // H200, 128k-256k keys, device time: 4 chains 2% faster than 2)
@@ -119,10 +113,8 @@ struct TQMmaConfig {
   static constexpr int PTILE = ROWS * PSTRIDE * 2;
   static constexpr int TAB_ALIGN = BYTE_ADDR ? 65536 : 16; // of the tables' shared address
   static constexpr int LOOP_SMEM = TAB_ALIGN - 16 + KTAB + VTAB + WARPS * PTILE;
-  // the final merge: m, l and o of every warp and of the tail (see tq_mma_tail_entry),
-  // then the tail's scores
-  static constexpr int MERGE_SMEM = (WARPS + (TQ_MMA_TAIL ? 1 : 0)) * ROWS * (D + 2) * 4 +
-      (TQ_MMA_TAIL ? ROWS * TQ_MAX_TAIL * 4 : 0);
+  // the final merge: m, l and o of every warp
+  static constexpr int MERGE_SMEM = WARPS * ROWS * (D + 2) * 4;
   static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
 };
 
@@ -563,95 +555,6 @@ __device__ __forceinline__ void tq_mma_step(
   }
 }
 
-/// The tail's entry in the final merge (TQ_MMA_TAIL builds, TURBOQUANT_ATTN_TAIL=kernel):
-/// for the block's nr rows (row r: query head kvh * gqa + (row0 + r) / q_len), attention
-/// over the tp.tail_len float32 keys and values of tail_k / tail_v (code space, seen
-/// unmasked by every row) as one more (m, l, o) slot: m at slot[r], l at slot[ROWS + r],
-/// o at slot[2 * ROWS + r * D + d]. Scores in log2 units like the kernel's. `sc` holds
-/// ROWS * TQ_MAX_TAIL floats.
-template <int D, int ROWS, int THREADS>
-__device__ void tq_mma_tail_entry(
-    const void* __restrict__ q,
-    int q_bf16,
-    const float* __restrict__ tail_k,
-    const float* __restrict__ tail_v,
-    const TQMergeParams& tp,
-    int b,
-    int kvh,
-    int row0,
-    int nr,
-    float* slot,
-    float* sc) {
-  constexpr int WARPS = THREADS / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int T = tp.tail_len;
-  const float* tk = tail_k + b * tp.tk_stride[0] + kvh * tp.tk_stride[1];
-  const float* tv = tail_v + b * tp.tv_stride[0] + kvh * tp.tv_stride[1];
-  // scores: one warp per (row, token) pair, lanes over the coordinates
-  for (int pr = warp; pr < nr * T; pr += WARPS) {
-    const int r = pr / T, j = pr % T;
-    const int rr = row0 + r;
-    const int64_t qbase = b * tp.q_stride[0] + (kvh * tp.gqa + rr / tp.q_len) * tp.q_stride[1] +
-        (rr % tp.q_len) * tp.q_stride[2];
-    const float* kr = tk + j * tp.tk_stride[2];
-    float dot = 0.0f;
-#pragma unroll
-    for (int d = lane; d < D; d += 32) {
-      const float x = q_bf16
-          ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[qbase + d])
-          : __half2float(reinterpret_cast<const __half*>(q)[qbase + d]);
-      dot += x * kr[d];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    }
-    if (lane == 0) {
-      sc[r * TQ_MAX_TAIL + j] = dot * tp.scale_log2;
-    }
-  }
-  __syncthreads();
-  // per row: maximum, weights in place, their sum (one warp per row)
-  for (int r = warp; r < nr; r += WARPS) {
-    float* sr = sc + r * TQ_MAX_TAIL;
-    float mx = tq_neg_inf();
-    for (int j = lane; j < T; j += 32) {
-      mx = fmaxf(mx, sr[j]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    }
-    float l = 0.0f;
-    for (int j = lane; j < T; j += 32) {
-      const float w = tq_ex2(sr[j] - mx); // tail scores are finite
-      sr[j] = w;
-      l += w;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      l += __shfl_xor_sync(0xffffffffu, l, off);
-    }
-    if (lane == 0) {
-      slot[r] = mx;
-      slot[ROWS + r] = l;
-    }
-  }
-  __syncthreads();
-  // values: threads over (row, coordinate), eight independent loads at a time
-  for (int i = threadIdx.x; i < nr * D; i += THREADS) {
-    const int r = i / D, d = i % D;
-    const float* sr = sc + r * TQ_MAX_TAIL;
-    const float* vd = tv + d;
-    float o = 0.0f;
-#pragma unroll 8
-    for (int j = 0; j < T; ++j) {
-      o += sr[j] * vd[j * tp.tv_stride[2]];
-    }
-    slot[2 * ROWS + r * D + d] = o;
-  }
-}
-
 /// Grid: (row chunks of 8*NRB rows, n_splits, batch * kv_heads); TQMmaConfig::THREADS threads;
 /// dynamic shared memory TQMmaConfig::SMEM bytes. Arguments as tq_attention_impl;
 /// q is float16 or (q_bf16 != 0) bfloat16.
@@ -672,14 +575,7 @@ tq_attention_mma_kernel(
     float* __restrict__ o_part,
     float* __restrict__ ml_part,
     const __grid_constant__ TQAttnParams p,
-    int q_bf16
-#if TQ_MMA_TAIL
-    ,
-    const float* __restrict__ tail_k,
-    const float* __restrict__ tail_v,
-    const __grid_constant__ TQMergeParams tp
-#endif
-) {
+    int q_bf16) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
@@ -882,25 +778,10 @@ tq_attention_mma_kernel(
   }
   __syncthreads();
 
-  // In a build with TQ_MMA_TAIL=1 and TURBOQUANT_ATTN_TAIL=kernel (tp.tail_len > 0 only
-  // then), the last split's blocks also attend to the tail: one more merge entry.
-#if TQ_MMA_TAIL
-  const bool tail = tp.tail_len > 0 && split == p.n_splits - 1;
-  if (tail) {
-    float* slot = red + C::WARPS * ROWS * (D + 2);
-    tq_mma_tail_entry<D, ROWS, C::THREADS>(q, q_bf16, tail_k, tail_v, tp, b, kvh, row0, nr,
-                                           slot, slot + ROWS * (D + 2));
-    __syncthreads();
-  }
-#else
-  constexpr bool tail = false;
-#endif
-  const float* tslot = red + C::WARPS * ROWS * (D + 2); // the tail's entry (if `tail`)
-
   const bool single = p.partials == 0;
   for (int i = threadIdx.x; i < nr * D; i += C::THREADS) {
     const int r = i / D, d = i % D;
-    float mm = tail ? tslot[r] : tq_neg_inf();
+    float mm = tq_neg_inf();
 #pragma unroll
     for (int w = 0; w < C::WARPS; ++w) {
       mm = fmaxf(mm, red[w * ROWS * (D + 2) + r]);
@@ -913,11 +794,6 @@ tq_attention_mma_kernel(
         const float f = rw[r] == tq_neg_inf() ? 0.0f : exp2f(rw[r] - mm);
         ll += rw[ROWS + r] * f;
         o += rw[2 * ROWS + r * D + d] * f;
-      }
-      if (tail) {
-        const float f = exp2f(tslot[r] - mm); // finite: the tail has tokens
-        ll += tslot[ROWS + r] * f;
-        o += tslot[2 * ROWS + r * D + d] * f;
       }
     }
     const int rr = row0 + r;

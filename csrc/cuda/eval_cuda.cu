@@ -218,6 +218,11 @@ mx::array last_axis_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) 
   return temporary_copy(a, enc);
 }
 
+/// `a` itself when row-contiguous, else a row-contiguous copy.
+mx::array row_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) {
+  return a.flags().row_contiguous ? a : temporary_copy(a, enc);
+}
+
 /// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
 /// O(new tokens) path), else a row-contiguous copy. The copy lives in memory of MLX's
 /// allocator: MLX donates only buffers its allocator owns, and a cache buffer in the
@@ -377,6 +382,15 @@ void quantize_append(
     return;
   }
   p.rot = kernel_rotation(prim.rotation(), head_dim);
+  const float* mp = nullptr;
+  if (prim.centered()) {
+    const mx::array mean = row_contiguous(inputs[3], enc);
+    p.mean_stride[0] = mean.strides()[0];
+    p.mean_stride[1] = mean.strides()[1];
+    p.centered = 1;
+    enc.set_input_array(mean);
+    mp = cptr<float>(mean);
+  }
   const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
       : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                  : ck::QType::Float32;
@@ -389,7 +403,7 @@ void quantize_append(
   unsigned int* cw = codes ? mptr<unsigned int>(out) : nullptr;
   void* sc = codes ? nullptr : mx::gpu_ptr<void>(out);
   dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
-  enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, cw, sc, p);
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, mp, cw, sc, p);
 }
 
 void attention(
@@ -493,17 +507,9 @@ void attention(
       : key_splits(ap.kv_len, units, target, sh.STEP, 2);
   p.n_splits = splits;
   p.split_len = split_len;
-  // The tail is attended to by the merge (so a single split also writes partials), or,
-  // in a build with TQ_MMA_TAIL=1 and TURBOQUANT_ATTN_TAIL=kernel, by the tensor-core
-  // kernel's last split (experimental: not yet run on a GPU).
-  bool tail_in_kernel = false;
-#if TQ_MMA_TAIL
-  const char* tail_env = std::getenv("TURBOQUANT_ATTN_TAIL");
-  tail_in_kernel = ap.has_tail && mma_sym != nullptr && tail_env != nullptr &&
-      std::string(tail_env) == "kernel" && !ap.rotation;
-#endif
-  // The merge also rotates the output back to model space.
-  const bool partials = splits > 1 || (ap.has_tail && !tail_in_kernel) || ap.rotate_output;
+  // The merge attends to the tail, rotates the output back to model space and adds
+  // the means back, so with any of them a single split writes partials too.
+  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output || ap.centered;
   p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;
@@ -570,31 +576,12 @@ void attention(
   float* outp = mptr<float>(out);
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
-  TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits); // the merge's, and the tail's
   if (mma_sym != nullptr) {
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
-#if TQ_MMA_TAIL
-    TQMergeParams kernel_tail = mp;
-    const float* ktk = nullptr;
-    const float* ktv = nullptr;
-    if (tail_in_kernel) {
-      enc.set_input_array(inputs[inputs.size() - 2]);
-      enc.set_input_array(inputs.back());
-      ktk = cptr<float>(inputs[inputs.size() - 2]);
-      ktv = cptr<float>(inputs.back());
-    } else {
-      kernel_tail.tail_len = 0;
-    }
-    enc.add_kernel_node_ex(
-        f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
-        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, ktk, ktv,
-        kernel_tail);
-#else
     enc.add_kernel_node_ex(
         f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
         vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
-#endif
   } else {
     enc.add_kernel_node_ex(
         f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
@@ -606,18 +593,27 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    const float* tkp = nullptr;
-    const float* tvp = nullptr;
-    if (tail_in_kernel) {
-      mp.tail_len = 0; // already in the partials
-    } else if (ap.has_tail) {
-      const auto& tk = inputs[inputs.size() - 2];
-      const auto& tv = inputs.back();
-      enc.set_input_array(tk);
-      enc.set_input_array(tv);
-      tkp = cptr<float>(tk);
-      tvp = cptr<float>(tv);
+    // The tail (q's dtype, see ops.cpp) and the means, as the merge reads them.
+    std::vector<mx::array> tail, means;
+    if (ap.has_tail) {
+      tail = {last_axis_contiguous(inputs[ap.tail_input()], enc),
+              last_axis_contiguous(inputs[ap.tail_input() + 1], enc)};
     }
+    if (ap.centered) {
+      means = {row_contiguous(inputs[ap.mean_input()], enc),
+               row_contiguous(inputs[ap.mean_input() + 1], enc)};
+    }
+    const TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
+    for (const auto& a : tail) {
+      enc.set_input_array(a);
+    }
+    for (const auto& a : means) {
+      enc.set_input_array(a);
+    }
+    const void* tkp = ap.has_tail ? mx::gpu_ptr<void>(tail[0]) : nullptr;
+    const void* tvp = ap.has_tail ? mx::gpu_ptr<void>(tail[1]) : nullptr;
+    const float* kmp = ap.centered ? cptr<float>(means[0]) : nullptr;
+    const float* vmp = ap.centered ? cptr<float>(means[1]) : nullptr;
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
     enc.set_output_array(out);
@@ -626,7 +622,7 @@ void attention(
     const float* mlc = mlp;
     enc.add_kernel_node_ex(
         fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, qp, tkp, tvp,
-        outp, lsep, mp);
+        kmp, vmp, outp, lsep, mp);
   }
 }
 

@@ -44,24 +44,28 @@ __global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
     const float* __restrict__ o_part,
     const float* __restrict__ ml_part,
     const QT* __restrict__ q,
-    const float* __restrict__ tail_k,
-    const float* __restrict__ tail_v,
+    const QT* __restrict__ tail_k,
+    const QT* __restrict__ tail_v,
+    const float* __restrict__ key_mean,
+    const float* __restrict__ value_mean,
     float* __restrict__ out,
     float* __restrict__ lse,
     const __grid_constant__ TQMergeParams p) {
   __shared__ float smem[TQ_MERGE_SMEM];
-  tq_attention_merge_impl<QT, D>(o_part, ml_part, q, tail_k, tail_v, out, lse, p, smem, tq_thread());
+  tq_attention_merge_impl<QT, D>(
+      o_part, ml_part, q, tail_k, tail_v, key_mean, value_mean, out, lse, p, smem, tq_thread());
 }
 
 template <typename XT, int D, int B>
 __global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_kernel(
     const XT* __restrict__ x,
     const float* __restrict__ cent,
+    const float* __restrict__ mean,
     unsigned int* __restrict__ codes,
     __half* __restrict__ scales,
     const __grid_constant__ TQQuantParams p) {
   __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
-  tq_quantize_impl<XT, D, B>(x, cent, codes, scales, p, smem, tq_thread());
+  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, tq_thread());
 }
 
 template <int B>

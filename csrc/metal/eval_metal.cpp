@@ -141,9 +141,6 @@ void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
   copy_buffer(in, out, d, s);
 }
 
-/// `a` itself when its last axis is contiguous (what the kernels indexing it by
-/// strides assume), else a row-contiguous copy: the ops hand GPU inputs over in any
-/// layout, so that a decode step needs no Contiguous nodes.
 /// A row-contiguous copy of `a` that lives as long as this launch.
 mx::array temporary_copy(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
   mx::array copy(a.shape(), a.dtype(), nullptr, {});
@@ -152,11 +149,19 @@ mx::array temporary_copy(const mx::array& a, mx::metal::Device& d, const mx::Str
   return copy;
 }
 
+/// `a` itself when its last axis is contiguous (what the kernels indexing it by
+/// strides assume), else a row-contiguous copy: the ops hand GPU inputs over in any
+/// layout, so that a decode step needs no Contiguous nodes.
 mx::array last_axis_contiguous(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
   if (a.strides()[a.ndim() - 1] == 1 || a.shape(a.ndim() - 1) == 1) {
     return a;
   }
   return temporary_copy(a, d, s);
+}
+
+/// `a` itself when row-contiguous, else a row-contiguous copy.
+mx::array row_contiguous(const mx::array& a, mx::metal::Device& d, const mx::Stream& s) {
+  return a.flags().row_contiguous ? a : temporary_copy(a, d, s);
 }
 
 /// `codes` itself when the attention kernel can read it, else a row-contiguous copy.
@@ -220,6 +225,13 @@ void quantize_append(
   if (n == 0) {
     return;
   }
+  // Without a mean, slot 2 is bound to the centroids and never read.
+  const mx::array mean = prim.centered() ? row_contiguous(inputs[3], d, s) : cent;
+  if (prim.centered()) {
+    p.mean_stride[0] = mean.strides()[0];
+    p.mean_stride[1] = mean.strides()[1];
+    p.centered = 1;
+  }
   std::ostringstream name;
   name << "tq_quantize_"
        << (x.dtype() == mx::float16       ? "float16"
@@ -230,11 +242,12 @@ void quantize_append(
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
   enc.set_input_array(x, 0);
   enc.set_input_array(cent, 1);
+  enc.set_input_array(mean, 2);
   // The unused one of codes / scales is bound to the output too; the kernel writes
   // only the one p.write_codes names.
-  enc.set_output_array(out, 2);
   enc.set_output_array(out, 3);
-  enc.set_bytes(p, 4);
+  enc.set_output_array(out, 4);
+  enc.set_bytes(p, 5);
   enc.dispatch_threadgroups(
       MTL::Size((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS, 1, 1),
       MTL::Size(TQ_QUANT_THREADS, 1, 1));
@@ -317,9 +330,9 @@ void attention(
   splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
   p.n_splits = splits;
   p.split_len = split_len;
-  // A tail is attended to by the merge, which also rotates the output back to model
-  // space, so a single split then writes partials too.
-  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output;
+  // The merge attends to the tail, rotates the output back to model space and adds
+  // the means back, so with any of them a single split writes partials too.
+  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output || ap.centered;
   p.partials = partials ? 1 : 0;
 
   const int rows_total = B * Hq * L;
@@ -355,24 +368,31 @@ void attention(
       MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
 
   if (partials) {
-    const TQMergeParams mp = merge_params(q, ap, inputs, Hkv, splits);
+    // The tail (q's dtype, see ops.cpp) and the means, as the merge reads them.
+    std::vector<mx::array> tail, means;
+    if (ap.has_tail) {
+      tail = {last_axis_contiguous(inputs[ap.tail_input()], d, s),
+              last_axis_contiguous(inputs[ap.tail_input() + 1], d, s)};
+    }
+    if (ap.centered) {
+      means = {row_contiguous(inputs[ap.mean_input()], d, s),
+               row_contiguous(inputs[ap.mean_input() + 1], d, s)};
+    }
+    const TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
     std::ostringstream merge;
     merge << "tq_attention_merge_" << type_name(q.dtype()) << "_d" << D;
     enc.set_compute_pipeline_state(get_kernel(d, merge.str()));
     enc.set_input_array(o_part, 0);
     enc.set_input_array(ml_part, 1);
     enc.set_input_array(q, 2);
-    if (ap.has_tail) {
-      enc.set_input_array(inputs[inputs.size() - 2], 3);
-      enc.set_input_array(inputs.back(), 4);
-    } else {
-      // Without a tail, slots 3-4 are bound to the partials and never read.
-      enc.set_input_array(o_part, 3);
-      enc.set_input_array(o_part, 4);
-    }
-    enc.set_output_array(out, 5);
-    enc.set_output_array(lse, 6);
-    enc.set_bytes(mp, 7);
+    // Slots of an absent tail or means are bound to the partials and never read.
+    enc.set_input_array(ap.has_tail ? tail[0] : o_part, 3);
+    enc.set_input_array(ap.has_tail ? tail[1] : o_part, 4);
+    enc.set_input_array(ap.centered ? means[0] : o_part, 5);
+    enc.set_input_array(ap.centered ? means[1] : o_part, 6);
+    enc.set_output_array(out, 7);
+    enc.set_output_array(lse, 8);
+    enc.set_bytes(mp, 9);
     enc.dispatch_threadgroups(MTL::Size(rows_total, 1, 1), MTL::Size(TQ_MERGE_THREADS, 1, 1));
     enc.add_temporary(o_part);
     enc.add_temporary(ml_part);

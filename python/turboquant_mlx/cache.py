@@ -177,8 +177,6 @@ def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale
         values = values - mu_v
     if key_scale is not None:
         keys = keys * key_scale
-    if signs is None and matrix is None:  # the op rotates them
-        return keys, values
     keys = rotate_forward(keys, signs, matrix, rot_scale)
     if rotate_values:
         values = rotate_forward(values, signs, matrix, rot_scale)
@@ -187,19 +185,14 @@ def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale
 
 def _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype):
     """Queries ``(B, H_q, L, D)`` in the space of the stored keys: divided by the
-    per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated (unless
-    ``signs`` and ``matrix`` are None: the op rotates them); float32, or the queries'
-    dtype when ``keep_dtype``."""
+    per-channel key scale ``a`` (``(B, H_kv, 1, D)`` or None), then rotated; float32,
+    or the queries' dtype when ``keep_dtype``."""
     dtype = q.dtype if keep_dtype else mx.float32
-    if key_scale is None and signs is None and matrix is None:
-        return q.astype(dtype)
     q = q.astype(mx.float32)
     if key_scale is not None:
         B, n_q, L, D = q.shape
         H = key_scale.shape[1]
         q = (q.reshape(B, H, n_q // H, L, D) / key_scale[:, :, None]).reshape(B, n_q, L, D)
-    if signs is None and matrix is None:
-        return q.astype(dtype)
     return rotate_forward(q, signs, matrix, rot_scale).astype(dtype)
 
 
@@ -243,15 +236,14 @@ def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
 
 
 def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_v,
-                   rotate_values, dense_k, dense_v, rotate_q=True):
+                   rotate_values, dense_k, dense_v):
     """The op's inputs for a decode step whose fp16 segments (sinks, window; lists of
-    ``(B, H_kv, n, D)``) go in as its tail: the queries in code space (not rotated when
-    ``rotate_q`` is False: the op rotates them) and the segments as the codec would
-    quantize them (centered, scaled, rotated), float32. Scores and values of the tail
-    are then in the compressed tokens' space, so one softmax covers both: centering
-    shifts every score of a query by the same amount."""
-    q_codes = _queries_to_codes(q, key_scale, signs if rotate_q else None,
-                                matrix if rotate_q else None, rot_scale, keep_dtype)
+    ``(B, H_kv, n, D)``) go in as its tail, for ops on code-space queries: the queries
+    in code space and the segments as the codec would quantize them (centered, scaled,
+    rotated), float32. Scores and values of the tail are then in the compressed
+    tokens' space, so one softmax covers both: centering shifts every score of a query
+    by the same amount."""
+    q_codes = _queries_to_codes(q, key_scale, signs, matrix, rot_scale, keep_dtype)
     if not dense_k:
         return q_codes, None, None
     k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
@@ -441,21 +433,23 @@ class TurboQuantKVCache(_BaseCache):
         self._q_count = 0  # number of query vectors in _q_energy
 
     def _drop_code_space(self):
-        """Forgets the window tokens kept in code space (after anything that changes
-        which tokens the window holds or how they are transformed)."""
+        """Forgets the decode steps' copies of the sinks and window (after anything that
+        changes which tokens the window holds or how they are transformed)."""
         # The tail of the last decode step that built one: (keys, values, sink count,
         # window start), in code space (centered, scaled, rotated). A window token
         # leaving for the compressed segment is quantized from it instead of being
-        # transformed again.
+        # transformed again. (Ops on code-space queries only, see _op_signs.)
         self._code_tail = None
         # Single-token decode steps keep the tail as a ring: (keys, values, position),
         # sinks in the first ns slots, window position p in slot
         # ns + (p - fp16_sink_tokens) % fp16_recent_tokens, in sync while the cache
         # holds `position` tokens. Each step overwrites the slot of the token that leaves
-        # the window with the new one, so the tail is never concatenated again.
+        # the window with the new one, so the tail is never concatenated again. In the
+        # ops' tail space: the model's with _op_signs, else code space.
         self._ring = None
-        # (position, key, value) in code space of the tokens the ring steps added, for
-        # their quantization when they leave the window.
+        # (position, key, value) of the last single tokens, for their quantization when
+        # they leave the window: as they arrived (model space) with _op_signs, else the
+        # code-space copies the ring steps made.
         self._ring_tokens = collections.deque(maxlen=self.fp16_recent_tokens + 1)
 
     @property
@@ -548,38 +542,40 @@ class TurboQuantKVCache(_BaseCache):
         n = keys.shape[2]
         if n == 0:
             return
+        signs = self._op_signs()
+        if signs is not None:
+            # Model-space tokens as they are: the op centers and rotates them.
+            self._append_code_space(keys, values, signs, self._mu_k, self._mu_v)
+            return
         # Decode-sized appends have a fixed shape: compiled (see _COMPILE).
         fn = _fused_to_code_space if _COMPILE and n <= self.decode_max_queries else _to_code_space
-        # Without a window, the append op rotates (a window's tokens are quantized from
-        # the code-space copies its tail keeps, which must give the same bits).
-        signs = self._op_signs() if self.fp16_recent_tokens == 0 else None
-        if signs is None:
-            rotation = self._rotation.params()
-        elif self._mu_k is None and self._key_scale is None:
-            self._append_code_space(keys, values, signs)
-            return
-        else:
-            rotation = (None, None, 1.0)
         k_rot, v_rot = fn(keys, values, self._mu_k, self._mu_v, self._key_scale,
-                          *rotation, self.rotate_values)
-        self._append_code_space(k_rot, v_rot, signs)
+                          *self._rotation.params(), self.rotate_values)
+        self._append_code_space(k_rot, v_rot)
 
     def _op_signs(self):
-        """The signs for ops that apply the rotation themselves, or None."""
-        return self._rotation.kernel_signs if _OP_ROTATION else None
+        """The signs for ops that apply the rotation themselves, or None: then the ops
+        take model-space tokens, queries and tails, center the tokens and undo the
+        centering themselves (power-of-two head dims; not with query-aware keys,
+        whose per-channel scale the ops do not apply)."""
+        if not _OP_ROTATION or self.query_aware_keys:
+            return None
+        return self._rotation.kernel_signs
 
-    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array, signs=None):
+    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array, signs=None, mu_k=None,
+                           mu_v=None):
         """Appends tokens in code space (see :func:`_to_code_space`), or, with
-        ``signs``, tokens not rotated yet (the op rotates them)."""
+        ``signs``, model-space tokens that the op centers (``mu_k``/``mu_v``, or
+        None) and rotates."""
         n = k_rot.shape[2]
         self._ensure_capacity(self._n_comp + n)
         self._k_codes, self._k_scales = ops.quantize_append(
             self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
-            rotation_signs=signs,
+            rotation_signs=signs, mean=mu_k,
         )
         self._v_codes, self._v_scales = ops.quantize_append(
             self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp, self.value_bits,
-            rotation_signs=signs if self.rotate_values else None,
+            rotation_signs=signs if self.rotate_values else None, mean=mu_v,
         )
         self._n_comp += n
 
@@ -754,11 +750,18 @@ class TurboQuantKVCache(_BaseCache):
         first = S + self._n_comp  # first position not yet quantized
         end = P + n - R  # positions before this leave the window
         if end > first:
-            in_code_space = self._code_tail_span(first, end)
-            if in_code_space is not None:
-                self._append_code_space(*in_code_space)
+            if self._op_signs() is not None:
+                # A token that arrived alone is quantized from that array, so that the
+                # append does not hold the window buffer that this step writes into.
+                self._quantize(*(self._recent_token(first, end) or span(first, end)))
             else:
-                self._quantize(*span(first, end))
+                in_code_space = self._code_tail_span(first, end)
+                if in_code_space is not None:
+                    self._append_code_space(*in_code_space)
+                else:
+                    self._quantize(*span(first, end))
+        if n == 1 and self._op_signs() is not None:
+            self._ring_tokens.append((P, rk, rv))
         keep_from = max(self._win_start, P + n - self._window_capacity)
         drop = keep_from - self._win_start
         if n <= self.decode_max_queries and 0 < held and drop <= held:
@@ -800,6 +803,15 @@ class TurboQuantKVCache(_BaseCache):
         size = held + n - drop
         self._win_k, self._win_v = bk[:, :, lo : lo + size], bv[:, :, lo : lo + size]
         self._win_buf = (bk, bv, lo, self._win_k)
+
+    def _recent_token(self, a: int, b: int):
+        """Model-space ``(key, value)`` of position ``a`` when ``b == a + 1`` and it
+        arrived alone (op-rotation caches keep the last such tokens), else None."""
+        if b - a == 1:
+            for p, k, v in self._ring_tokens:
+                if p == a:
+                    return k, v
+        return None
 
     def _code_tail_span(self, a: int, b: int):
         """Window positions ``[a, b)`` in code space from the last decode step's tail,
@@ -951,45 +963,30 @@ class TurboQuantKVCache(_BaseCache):
         lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
         return mx.zeros((B, n_q, L, D), dtype=mx.float32), lse
 
-    def _compressed_queries(self, q: mx.array, fused: bool = False, rotate: bool = True) -> mx.array:
-        """Rotated queries for the compressed segment (divided by ``a`` first; not
-        rotated when ``rotate`` is False: the op rotates them)."""
+    def _compressed_queries(self, q: mx.array, fused: bool = False) -> mx.array:
+        """Rotated queries for the compressed segment (divided by ``a`` first)."""
         # A half-precision model's queries stay half precision on the GPU, where the
         # CUDA build's tensor-core kernel takes them (float32 selects its exact kernel);
         # the CPU kernel gets float32.
         fn = _fused_queries_to_codes if fused else _queries_to_codes
-        signs, matrix, rot_scale = self._rotation.params() if rotate else (None, None, 1.0)
+        signs, matrix, rot_scale = self._rotation.params()
         return fn(q, self._key_scale, signs, matrix, rot_scale, _half_queries_on_gpu(q.dtype))
 
-    def _compressed_result(self, out: mx.array, lse: mx.array, q: mx.array, scale: float,
-                           op_rotated: bool = False):
+    def _compressed_result(self, out: mx.array, lse: mx.array, q: mx.array, scale: float):
         """``(out, lse)`` of the compressed segment in the model's space (see
-        :func:`_codes_to_model`); ``op_rotated``: the op already rotated ``out`` back."""
-        return _codes_to_model(out, lse, q, *self._model_space_args(op_rotated), scale)
+        :func:`_codes_to_model`) from the op's on code-space queries."""
+        return _codes_to_model(out, lse, q, *self._model_space_args(), scale)
 
-    def _model_space_args(self, op_rotated: bool = False):
+    def _model_space_args(self):
         signs, matrix, rot_scale = self._rotation.params()
-        if not self.rotate_values or op_rotated:
+        if not self.rotate_values:
             signs = matrix = None
         return signs, matrix, rot_scale, self._mu_k, self._mu_v
 
     def _attend_decode(self, queries, scale, mask, sinks):
+        if self._op_signs() is not None:
+            return self._attend_decode_model_space(queries, scale, mask, sinks)
         L = queries.shape[2]
-        signs = self._op_signs()
-        if (L == 1 and signs is not None and sinks is None and not isinstance(mask, mx.array)
-                and self._n_comp == self.offset and self._mu_k is None
-                and self._key_scale is None):
-            # The plain codec's decode step (every token compressed, no levers): one op
-            # from the model's queries to the layer's output (it rotates both). This
-            # path is most of a decode step's Python time, so it skips the general
-            # bookkeeping below.
-            out, _ = ops.compressed_attention(
-                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                self._k_centroids, self._v_centroids, self._n_comp, scale, self.key_bits,
-                self.value_bits, False, None, rotation_signs=signs,
-                rotate_output=self.rotate_values,
-            )
-            return out
         if L == 1 and _COMPILE and sinks is None and not isinstance(mask, mx.array):
             ring_step = self._ring_step_layout()
             if ring_step is not None:
@@ -997,7 +994,6 @@ class TurboQuantKVCache(_BaseCache):
                 # segment list.
                 return self._ring_step(queries, scale, *ring_step)
         q0 = self.offset - L
-        S = self.fp16_sink_tokens
         ns, c, wpos = self._layout()
         # The usual decode step: the compressed tokens and fp16 segments (sinks, window)
         # that every query sees whole. Up to MAX_TAIL_TOKENS of the latter go into the
@@ -1021,33 +1017,127 @@ class TurboQuantKVCache(_BaseCache):
         else:
             parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
-            # Fewer compressed tokens than queries (the op needs kv_len >= L): a few
-            # tokens only, attend to them dequantized.
-            k, v = self._dequantized_rotated(0, c)
-            out, lse = dense_attention(
-                self._compressed_queries(queries), k, v, scale,
-                self._segment_mask(mask, S, c, q0, L),
-            )
-            parts.append(self._compressed_result(out, lse, queries, scale))
+            parts.append(self._dequantized_part(queries, scale, mask, c, q0))
         elif c > 0:
             causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
             out, lse = ops.compressed_attention(
-                self._compressed_queries(queries, fused=fused, rotate=signs is None),
+                self._compressed_queries(queries, fused=fused),
                 self._k_codes, self._k_scales, self._v_codes, self._v_scales,
                 self._k_centroids, self._v_centroids,
                 c, scale, self.key_bits, self.value_bits, causal, op_mask,
-                rotation_signs=signs, rotate_output=self.rotate_values,
             )
-            op_rotated = signs is not None
             if fused:
                 return _fused_decode_output(
-                    out, lse, queries, *self._model_space_args(op_rotated), scale, dense_k,
-                    dense_v,
+                    out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v,
                 )
-            parts.append(self._compressed_result(out, lse, queries, scale, op_rotated))
+            parts.append(self._compressed_result(out, lse, queries, scale))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
+
+    def _dequantized_part(self, queries, scale, mask, c: int, q0: int):
+        """``(out, lse)`` of fewer compressed tokens than queries (the op needs
+        ``kv_len >= L``): a few tokens only, attended to dequantized."""
+        L = queries.shape[2]
+        k, v = self._dequantized_rotated(0, c)
+        out, lse = dense_attention(
+            self._compressed_queries(queries), k, v, scale,
+            self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L),
+        )
+        return self._compressed_result(out, lse, queries, scale)
+
+    def _attend_decode_model_space(self, queries, scale, mask, sinks):
+        """A decode step with ops that take the model's space (:meth:`_op_signs`): the
+        queries, the fp16 sinks and window as they are stored, and the layer's output
+        all stay in model space; the op rotates and undoes the centering. A step whose
+        queries see every fp16 token (the usual one) is one op call."""
+        L = queries.shape[2]
+        signs = self._op_signs()
+        op_args = dict(
+            rotation_signs=signs, rotate_output=self.rotate_values, key_mean=self._mu_k,
+            value_mean=self._mu_v,
+        )
+        simple = L == 1 and sinks is None and not isinstance(mask, mx.array)
+        if simple and self._n_comp == self.offset:
+            # Every token compressed (the plain codec): the step's Python time is most of
+            # its cost, so it skips the bookkeeping below.
+            out, _ = ops.compressed_attention(
+                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                self._k_centroids, self._v_centroids, self._n_comp, scale, self.key_bits,
+                self.value_bits, False, None, **op_args,
+            )
+            return out.astype(queries.dtype)
+        if simple:
+            ring_step = self._ring_step_layout()
+            if ring_step is not None:
+                ns, c = ring_step
+                tail_k, tail_v = self._ring_write_new_token(ns)
+                out, _ = ops.compressed_attention(
+                    queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                    self._k_centroids, self._v_centroids, c, scale, self.key_bits,
+                    self.value_bits, False, None, tail_k=tail_k, tail_v=tail_v, **op_args,
+                )
+                return out.astype(queries.dtype)
+        q0 = self.offset - L
+        ns, c, wpos = self._layout()
+        segments = self._dense_segments(self.offset)
+        tail = sum(n for _, _, _, n in segments)
+        one_call = (sinks is None and c >= L and 0 < tail <= MAX_TAIL_TOKENS and all(
+            self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
+        if one_call:
+            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
+            tail_k, tail_v = self._model_space_tail(segments, ns, wpos, L)
+            out, _ = ops.compressed_attention(
+                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                self._k_centroids, self._v_centroids, c, scale, self.key_bits,
+                self.value_bits, causal, op_mask, tail_k=tail_k, tail_v=tail_v, **op_args,
+            )
+            return out.astype(queries.dtype)
+        parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
+        if 0 < c < L:
+            parts.append(self._dequantized_part(queries, scale, mask, c, q0))
+        elif c > 0:
+            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
+            parts.append(ops.compressed_attention(
+                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+                self._k_centroids, self._v_centroids, c, scale, self.key_bits,
+                self.value_bits, causal, op_mask, **op_args,
+            ))
+        if sinks is not None:
+            parts.append(self._sink_part(sinks, queries))
+        return merge_attention(parts)[0]
+
+    def _model_space_tail(self, segments, ns: int, wpos: int, L: int):
+        """The fp16 segments (sinks, window; model space) as one tail. A full window
+        goes in in ring order (position p at slot ns + (p - sinks) % R), whatever the
+        step, so that a ring step and this one give the same tail, summed in the same
+        order; a single-token step starts the ring from it."""
+        R = self.fp16_recent_tokens
+        ks = [k for k, _, _, _ in segments]
+        vs = [v for _, v, _, _ in segments]
+        n_win = sum(k.shape[2] for k in ks) - ns
+        roll = (wpos - self.fp16_sink_tokens) % R if R and n_win == R else 0
+        if roll:
+            ks = ks[:-1] + [ks[-1][:, :, R - roll :], ks[-1][:, :, : R - roll]]
+            vs = vs[:-1] + [vs[-1][:, :, R - roll :], vs[-1][:, :, : R - roll]]
+        tail_k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        tail_v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        if L == 1 and R and n_win == R:
+            self._ring = (tail_k, tail_v, self.offset)
+        return tail_k, tail_v
+
+    def _ring_write_new_token(self, ns: int):
+        """The ring with the new token in the slot of the one that just left the
+        window (a model-space ring step); returns the ring's keys and values."""
+        ring, new = self._ring, self._new_token
+        P = self.offset - 1
+        tail_k, tail_v = ring[0], ring[1]
+        self._ring = ring = None  # only the ring may hold it, or MLX copies it
+        slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
+        tail_k[:, :, slot : slot + 1] = new[0]
+        tail_v[:, :, slot : slot + 1] = new[1]
+        self._ring = (tail_k, tail_v, P + 1)
+        return tail_k, tail_v
 
     def _op_mask(self, mask, c: int, wpos: int, q0: int, L: int):
         """``(causal, mask)`` for the op over the ``c`` compressed tokens, queries at
@@ -1062,7 +1152,6 @@ class TurboQuantKVCache(_BaseCache):
         first, ``ns`` of them, then the window from ``wpos``), which every query sees
         whole, join the ``c`` compressed tokens as the op's tail."""
         signs, matrix, rot_scale = self._rotation.params()
-        rotate_q = self._op_signs() is None
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail
         R = self.fp16_recent_tokens
@@ -1073,7 +1162,7 @@ class TurboQuantKVCache(_BaseCache):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
             tail_k, tail_v = ct[0], ct[1]
-            q_codes = self._compressed_queries(queries, fused=True, rotate=rotate_q)
+            q_codes = self._compressed_queries(queries, fused=True)
         else:
             # A full window goes in in ring order (position p at slot
             # ns + (p - sinks) % R), whatever the step: the tail is then the same
@@ -1091,7 +1180,7 @@ class TurboQuantKVCache(_BaseCache):
             q_codes, tail_k, tail_v = _fused_decode_inputs(
                 queries, self._key_scale, signs, matrix, rot_scale,
                 _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-                dense_k, dense_v, rotate_q,
+                dense_k, dense_v,
             )
             if tail_k is not None:
                 self._code_tail = (tail_k, tail_v, ns, wpos, roll)
@@ -1130,7 +1219,7 @@ class TurboQuantKVCache(_BaseCache):
         q_codes, k_new, v_new = _fused_decode_inputs(
             queries, self._key_scale, signs, matrix, rot_scale,
             _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-            [new[0]], [new[1]], self._op_signs() is None,
+            [new[0]], [new[1]],
         )
         slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
         tail_k[:, :, slot : slot + 1] = k_new
@@ -1141,15 +1230,13 @@ class TurboQuantKVCache(_BaseCache):
 
     def _tail_attention(self, queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v):
         """The op over the ``c`` compressed tokens and a code-space tail, to the layer's
-        output (``q_codes``: the queries as the op takes them)."""
-        op_signs = self._op_signs()
+        output (``q_codes``: the queries in code space)."""
         out, _ = ops.compressed_attention(
             q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
             causal, op_mask, tail_k=tail_k, tail_v=tail_v,
-            rotation_signs=op_signs, rotate_output=self.rotate_values,
         )
-        signs, matrix, rot_scale, _, mu_v = self._model_space_args(op_signs is not None)
+        signs, matrix, rot_scale, _, mu_v = self._model_space_args()
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)
 
     def _block_sizes(self, B, n_q, L):
@@ -1331,7 +1418,7 @@ class TurboQuantKVCache(_BaseCache):
     def nbytes(self) -> int:
         """Bytes of every buffer the cache holds (allocated capacity included): the
         compressed segment, the fp16 sinks and window (its whole buffer), the levers,
-        and the decode steps' code-space copies of the sinks and window."""
+        and the decode steps' copies of the sinks and window."""
         window = (self._win_k, self._win_v)
         if self._win_buf is not None and self._win_buf[3] is self._win_k:
             window = self._win_buf[:2]

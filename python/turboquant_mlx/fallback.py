@@ -121,7 +121,8 @@ def _check_scales(x: mx.array, scales: mx.array):
 
 
 def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int):
-    """Fallback of ops.quantize_append (same contract; costs a buffer copy)."""
+    """Fallback of ops.quantize_append on rotated tokens (same contract; costs a buffer
+    copy). ops.quantize_append centers and rotates model-space tokens first."""
     _check_finite(x_rot)
     q, s = quantize(x_rot, centroids, bits)
     _check_scales(x_rot, s)
@@ -143,7 +144,7 @@ def dequantize(codes, scales, centroids, bits: int, start: int, length: int):
 
 
 def compressed_attention(
-    q_rot,
+    q,
     k_codes,
     k_scales,
     v_codes,
@@ -158,15 +159,27 @@ def compressed_attention(
     mask=None,
     tail_k=None,
     tail_v=None,
+    rotation_signs=None,
+    rotate_output: bool = True,
+    key_mean=None,
+    value_mean=None,
 ):
-    """Fallback of ops.compressed_attention: attention on the dequantized cache, with
-    the tail's keys and values (seen by every query) after it."""
-    B, n_q, L, D = q_rot.shape
+    """Fallback of ops.compressed_attention (same contract): the compressed tokens are
+    dequantized into the queries' space (rotated back with ``rotation_signs``, the
+    means added back), the tail joins them, and plain attention runs over all."""
+    B, n_q, L, D = q.shape
     n_kv = k_codes.shape[1]
     G = n_q // n_kv
     k = dequantize(k_codes, k_scales, k_centroids, key_bits, 0, kv_len)
     v = dequantize(v_codes, v_scales, v_centroids, value_bits, 0, kv_len)
-    q = q_rot.astype(mx.float32).reshape(B, n_kv, G, L, D)
+    if rotation_signs is not None:
+        k = rotate(k, rotation_signs, inverse=True)
+        if rotate_output:
+            v = rotate(v, rotation_signs, inverse=True)
+    if key_mean is not None:
+        k = k + key_mean.astype(mx.float32)
+        v = v + value_mean.astype(mx.float32)
+    q = q.astype(mx.float32).reshape(B, n_kv, G, L, D)
     scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # (B, n_kv, G, L, kv_len)
     scores = scores.reshape(B, n_q, L, kv_len)
     neg_inf = mx.array(-np.inf, dtype=mx.float32)

@@ -44,6 +44,7 @@ def quantize_append(
     bits: int,
     *,
     rotation_signs: Optional[Sequence[float]] = None,
+    mean: Optional[mx.array] = None,
     stream=None,
 ):
     """Quantize tokens ``(B, H, L, D)`` into the cache at ``offset``.
@@ -52,6 +53,8 @@ def quantize_append(
     rotation ``R = H diag(s) / sqrt(D)`` of a power-of-two ``D``, e.g.
     :attr:`Rotation.kernel_signs <turboquant_mlx.rotation.Rotation.kernel_signs>`), in
     model space: the kernels rotate it, so a decode step needs no rotation kernels.
+    With ``mean`` ``(B, H, 1, D)`` (in ``x``'s space), ``x - mean`` is quantized: a
+    mean-centered cache appends its tokens as they are.
 
     Returns:
         tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
@@ -60,11 +63,14 @@ def quantize_append(
     if has_kernels(stream):
         codes, scales = _ext.quantize_append(
             codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
-            stream=stream,
+            mean=mean, stream=stream,
         )
         return codes, scales
     _ext.words_per_token(x.shape[-1], bits)  # same validation as the kernel path
     with mx.stream(stream) if stream is not None else _nullcontext():
+        if mean is not None:
+            fallback._check_finite(x)
+            x = x.astype(mx.float32) - mean.astype(mx.float32)
         if rotation_signs is not None:
             x = fallback.rotate(x, rotation_signs)
         return fallback.quantize_append(codes, scales, x, centroids, offset, bits)
@@ -93,40 +99,50 @@ def compressed_attention(
     tail_v: Optional[mx.array] = None,
     rotation_signs: Optional[Sequence[float]] = None,
     rotate_output: bool = True,
+    key_mean: Optional[mx.array] = None,
+    value_mean: Optional[mx.array] = None,
     stream=None,
 ):
     """Attention of queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens and,
     when given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)`` in
-    the rotated space, that every query sees, unmasked (a cache's fp16 sinks and recent
-    window), all in one softmax.
+    the queries' space, that every query sees, unmasked (a cache's fp16 sinks and
+    recent window), all in one softmax.
 
     The queries are rotated, or, with ``rotation_signs`` (see :func:`quantize_append`),
     in model space: the kernels rotate them, and with ``rotate_output`` (values stored
-    rotated) rotate the output back, so that a decode step's attention is this one op.
+    rotated) rotate the compressed tokens' part of the output back, so that a decode
+    step's attention is this one op. The tail is in the queries' space either way
+    (model space with ``rotation_signs``): it needs no transform.
+
+    ``key_mean`` / ``value_mean`` ``(B, Hkv, 1, D)`` (in the queries' space): the
+    compressed tokens were appended with those means (:func:`quantize_append`'s
+    ``mean``) and the tail was not; the op adds them back.
 
     Returns:
         tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 (rotated space, or model
         space with ``rotation_signs`` and ``rotate_output``) and the log-sum-exp
-        ``(B, Hq, L)`` of the scaled, masked scores.
+        ``(B, Hq, L)`` of the scaled, masked scores (of the uncentered keys).
     """
     if has_kernels(stream):
         out, lse = _ext.compressed_attention(
             q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask,
             tail_k=tail_k, tail_v=tail_v, rotation_signs=rotation_signs,
-            rotate_output=rotate_output, stream=stream,
+            rotate_output=rotate_output, key_mean=key_mean, value_mean=value_mean,
+            stream=stream,
         )
         return out, lse
+    if (key_mean is None) != (value_mean is None):
+        raise ValueError(
+            "[turboquant_mlx.compressed_attention] key_mean and value_mean must be given "
+            "together."
+        )
     with mx.stream(stream) if stream is not None else _nullcontext():
-        if rotation_signs is not None:
-            q = fallback.rotate(q, rotation_signs)
-        out, lse = fallback.compressed_attention(
+        return fallback.compressed_attention(
             q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask, tail_k, tail_v,
+            rotation_signs, rotate_output, key_mean, value_mean,
         )
-        if rotation_signs is not None and rotate_output:
-            out = fallback.rotate(out, rotation_signs, inverse=True)
-        return out, lse
 
 
 def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *, stream=None):
