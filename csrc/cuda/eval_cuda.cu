@@ -603,7 +603,7 @@ void attention(
       means = {row_contiguous(inputs[ap.mean_input()], enc),
                row_contiguous(inputs[ap.mean_input() + 1], enc)};
     }
-    const TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
+    TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
     for (const auto& a : tail) {
       enc.set_input_array(a);
     }
