@@ -1063,3 +1063,53 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     assert ring._win_buf[0].shape[2] > ring._win_k.shape[2]
     assert ring.nbytes >= ring.used_nbytes - ring._win_k.nbytes - ring._win_v.nbytes + (
         win_buffer + ring_bytes)
+
+
+def test_deferred_window_writes_match_immediate_ones(monkeypatch):
+    # With model-space tails, a single token's window write is deferred (a ring step
+    # reads the ring, not the window) and done on the window's next read or once
+    # window_slack tokens wait. Whatever reads the window in between (a verify step,
+    # trim, state, dequantized_keys_values) must see what immediate writes give.
+    cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=4,
+               calibration_tokens=16, seed=9)
+    rng = np.random.default_rng(23)
+    B, H, D = 1, 2, 64
+    deferred, immediate = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
+    monkeypatch.setattr(immediate, "_defer_window_write", lambda *a: False)
+    k, v = _rand(rng, (B, H, 30, D)), _rand(rng, (B, H, 30, D))
+    q = _rand(rng, (B, 2 * H, 30, D))
+    for c in (deferred, immediate):
+        c.update_and_fetch(k, v)
+        c.attention(q, 0.125, "causal")
+    window_buffer = None
+    pending_seen = 0
+    for step in range(230):
+        # a verify step reads the window; the last 80 steps read nothing but the ring
+        L = 3 if step % 37 == 36 and step < 150 else 1
+        k, v = _rand(rng, (B, H, L, D)), _rand(rng, (B, H, L, D))
+        q = _rand(rng, (B, 2 * H, L, D))
+        outs = []
+        for c in (deferred, immediate):
+            c.update_and_fetch(k, v)
+            outs.append(np.array(c.attention(q, 0.125, "causal")))
+        pending_seen = max(pending_seen, len(deferred._win_pending))
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"step {step}")
+        # (the first window's tokens came with the prefill: they leave from the window)
+        if step == 10:
+            window_buffer = deferred._win_k_stored
+        if step == 19:
+            assert deferred._win_k_stored is window_buffer  # not written since
+        if step % 50 == 20 and step < 150:
+            assert [c.trim(2) for c in (deferred, immediate)] == [2, 2]
+        if step % 50 == 40 and step < 150:
+            ka, va = deferred.dequantized_keys_values(mx.float32)
+            kb, vb = immediate.dequantized_keys_values(mx.float32)
+            np.testing.assert_array_equal(np.array(ka), np.array(kb))
+            np.testing.assert_array_equal(np.array(va), np.array(vb))
+    assert pending_seen == TurboQuantKVCache.window_slack - 1
+    for a, b in zip(deferred.state, immediate.state):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    restored = TurboQuantKVCache.from_state(deferred.state)
+    q = _rand(rng, (B, 2 * H, 1, D))
+    np.testing.assert_array_equal(np.array(restored.attention(q, 0.125, "causal")),
+                                  np.array(immediate.attention(q, 0.125, "causal")))

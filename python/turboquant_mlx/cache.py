@@ -733,6 +733,8 @@ class TurboQuantKVCache(_BaseCache):
             self._quantize(rk, rv)
             self._win_start = P + n
             return
+        if n == 1 and self._defer_window_write(rk, rv, P):
+            return
         # The window buffer covers positions [win_start, P); with the new tokens,
         # [win_start, P + n). Spans of it are taken as views where they lie in one
         # of the two, so that a decode step copies the window once.
@@ -771,6 +773,71 @@ class TurboQuantKVCache(_BaseCache):
             self._win_k, self._win_v = mx.contiguous(wk), mx.contiguous(wv)
             self._win_buf = None
         self._win_start = keep_from
+
+    def _defer_window_write(self, rk: mx.array, rv: mx.array, P: int) -> bool:
+        """A single token's window update without touching the window buffer, when the
+        ops take model-space tails (a ring step's tail is the ring, not the window):
+        the token that leaves is quantized from the array it arrived in, and the new
+        one waits in ``_win_pending`` until the window is read or ``window_slack``
+        tokens are pending (then one write). Returns False where that does not apply."""
+        if self._op_signs() is None or _is_empty(self._win_k_stored):
+            return False
+        first = self.fp16_sink_tokens + self._n_comp  # first position not yet quantized
+        end = P + 1 - self.fp16_recent_tokens
+        leaving = None
+        if end > first:
+            leaving = self._recent_token(first, end)
+            if leaving is None:
+                return False
+        if leaving is not None:
+            self._quantize(*leaving)
+        keep_from = max(self._win_start, P + 1 - self._window_capacity)
+        self._win_pending.append((rk, rv))
+        self._win_pending_drop += keep_from - self._win_start
+        self._win_start = keep_from
+        self._ring_tokens.append((P, rk, rv))
+        if len(self._win_pending) >= self.window_slack:
+            self._sync_window()
+        return True
+
+    def _sync_window(self):
+        """Writes the pending tokens (see :meth:`_defer_window_write`) into the window."""
+        pending, drop = self._win_pending, self._win_pending_drop
+        self._win_pending, self._win_pending_drop = [], 0
+        if len(pending) == 1:
+            rk, rv = pending[0]
+        else:
+            rk = mx.concatenate([k for k, _ in pending], axis=2)
+            rv = mx.concatenate([v for _, v in pending], axis=2)
+        held = self._win_k_stored.shape[2]
+        if drop > held:  # the pending tokens' own first ones left the window already
+            rk, rv = rk[:, :, drop - held :], rv[:, :, drop - held :]
+            drop = held
+        self._window_append(rk, rv, drop)
+
+    # The fp16 window (model space): views of the positions [win_start, offset), with
+    # the single tokens of deferred writes (see _defer_window_write) written on read.
+    @property
+    def _win_k(self) -> Optional[mx.array]:
+        if self._win_pending:
+            self._sync_window()
+        return self._win_k_stored
+
+    @_win_k.setter
+    def _win_k(self, value):
+        self._win_k_stored = value
+        self._win_pending, self._win_pending_drop = [], 0
+
+    @property
+    def _win_v(self) -> Optional[mx.array]:
+        if self._win_pending:
+            self._sync_window()
+        return self._win_v_stored
+
+    @_win_v.setter
+    def _win_v(self, value):
+        self._win_v_stored = value
+        self._win_pending, self._win_pending_drop = [], 0
 
     window_slack = 64  # free slots after the window in its buffer (see _window_append)
 
