@@ -61,16 +61,20 @@ def run_one(a):
         vc, vs = random_cache(1, hkv, n, d, a.vb)
         kcent = mx.array(codebook.lloyd_max_centroids(d, a.kb).astype(np.float32))
         vcent = mx.array(codebook.lloyd_max_centroids(d, a.vb).astype(np.float32))
-        tk = mx.random.normal((1, hkv, a.tail, d)) if a.tail else None
-        tv = mx.random.normal((1, hkv, a.tail, d)) if a.tail else None
-        mx.eval(q, kc, ks, vc, vs, kcent, vcent, *([tk, tv] if a.tail else []))
+        # the tail in the queries' dtype, as a cache's fp16 sinks and window
+        tk = mx.random.normal((1, hkv, a.tail, d)).astype(q.dtype) if a.tail else None
+        tv = mx.random.normal((1, hkv, a.tail, d)).astype(q.dtype) if a.tail else None
+        mu_k = mx.random.normal((1, hkv, 1, d)) if a.centered else None
+        mu_v = mx.random.normal((1, hkv, 1, d)) if a.centered else None
+        extra = [x for x in (tk, tv, mu_k, mu_v) if x is not None]
+        mx.eval(q, kc, ks, vc, vs, kcent, vcent, *extra)
 
         signs = Rotation(d, seed=0).kernel_signs if a.op_rotation else None
 
         def call():
             return ops.compressed_attention(
                 q, kc, ks, vc, vs, kcent, vcent, n, scale, a.kb, a.vb, True, tail_k=tk, tail_v=tv,
-                rotation_signs=signs,
+                rotation_signs=signs, key_mean=mu_k, value_mean=mu_v,
             )[0]
 
     for _ in range(3):
@@ -138,7 +142,8 @@ def driver(a):
                 t, parts = ncu_call_time(
                     ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
                      "--tail", str(a.tail), *shape]
-                    + (["--op-rotation"] if a.op_rotation else []), a.calls)
+                    + (["--op-rotation"] if a.op_rotation else [])
+                    + (["--centered"] if a.centered else []), a.calls)
                 nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
                 pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%"
                 line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
@@ -161,6 +166,8 @@ def main():
     p.add_argument("--op-rotation", action="store_true",
                    help="queries in model space, rotated (and the output rotated back) by "
                         "the op, as the cache calls it for power-of-two head dims")
+    p.add_argument("--centered", action="store_true",
+                   help="key and value means, as a mean-centered cache (tq4) calls the op")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--lengths", default="4096,32768,131072,262144")
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
