@@ -583,6 +583,16 @@ TQ_FN void tq_attention_merge_impl(
     TQ_TG float* smem,
     TQThread th) {
   constexpr int NT = TQ_MERGE_THREADS, NSG = TQ_MERGE_THREADS / TQ_SIMD;
+  // The merge is a short chain of dependent steps, each of which would wait for global
+  // memory: so everything it reads is loaded first, in registers, with one wait.
+  //   PRE  partials per coordinate (the rest are read in the value sum)
+  //   MSP  (m, l) pairs per thread: every split (TQ_MAX_SPLITS = NT * MSP)
+  //   LPT  lanes per tail token in the scores (NG groups); TKP tokens per group
+  //   TVP  tail tokens whose values are staged in threadgroup memory
+  // (a window preset's 36-token tail fits TKP and TVP; longer tails read the rest later)
+  constexpr int PRE = 16, DPT = (D + NT - 1) / NT, MSP = TQ_MAX_SPLITS / NT;
+  constexpr int LPT = 8, TPS = TQ_SIMD / LPT, NG = NSG * TPS, KPL = D / LPT;
+  constexpr int TKP = D <= 128 ? 3 : 1, TVP = TQ_MERGE_TAIL_VALUES / D < 40 ? TQ_MERGE_TAIL_VALUES / D : 40;
   const int row = int(th.tg_x);
   const int S = p.n_splits, T = p.tail_len;
   const TQ_DEV float* ml = ml_part + int64_t(row) * S * 2;
@@ -590,20 +600,7 @@ TQ_FN void tq_attention_merge_impl(
   TQ_TG float* tw = smem + TQ_MAX_SPLITS; // [T] tail scores, then weights
   TQ_TG float* qs = tw + TQ_MAX_TAIL; // [D] the query row, later the output row
   TQ_TG float* red = qs + 256; // [3 * NSG]
-
-  // The first PRE partials of this thread's coordinates are loaded now, so that their
-  // latency overlaps the tail scores and the weights instead of following them.
-  constexpr int PRE = 16, DPT = (D + NT - 1) / NT;
-  const TQ_DEV float* op = o_part + int64_t(row) * S * D;
-  float pre[DPT][PRE];
-  TQ_UNROLL
-  for (int k = 0; k < DPT; ++k) {
-    const int d = int(th.tid) + k * NT;
-    TQ_UNROLL
-    for (int s = 0; s < PRE; ++s) {
-      pre[k][s] = (d < D && s < S) ? op[s * D + d] : 0.0f;
-    }
-  }
+  TQ_TG float* tvs = red + 16; // [TVP][D] the first tail values
 
   const int l = row % p.q_len, h = (row / p.q_len) % p.q_heads, b = row / (p.q_len * p.q_heads);
   const int kvh = h / p.gqa;
@@ -611,15 +608,63 @@ TQ_FN void tq_attention_merge_impl(
   const TQ_DEV QT* tv = tail_v + b * p.tv_stride[0] + kvh * p.tv_stride[1];
   const TQ_DEV float* mk = key_mean + b * p.mean_stride[0] + kvh * p.mean_stride[1];
   const TQ_DEV float* mv = value_mean + b * p.mean_stride[0] + kvh * p.mean_stride[1];
-  // q . key_mean (log2 units): what centering took off every compressed token's score.
+  const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
+  const bool centered = p.centered != 0, need_q = T > 0 || centered; // uniform
+  const int64_t vstride = p.tv_stride[2];
+  const int group = int(th.simd) * TPS + int(th.lane) / LPT, glane = int(th.lane) % LPT;
+
+  // ---- loads
+  const TQ_DEV float* op = o_part + int64_t(row) * S * D;
+  float pre[DPT][PRE], qv[DPT], mkv[DPT], mvv[DPT];
+  TQ_UNROLL
+  for (int k = 0; k < DPT; ++k) {
+    const int d = int(th.tid) + k * NT;
+    const bool in = d < D;
+    TQ_UNROLL
+    for (int s = 0; s < PRE; ++s) {
+      pre[k][s] = (in && s < S) ? op[s * D + d] : 0.0f;
+    }
+    if (in) { // staged as loaded (read back by this thread only: no barrier needed)
+      TQ_UNROLL
+      for (int j = 0; j < TVP; ++j) {
+        tvs[j * D + d] = j < T ? tq_to_float(tv[j * vstride + d]) : 0.0f;
+      }
+    }
+    qv[k] = (in && need_q) ? tq_to_float(qr[d]) : 0.0f;
+    mkv[k] = (in && centered) ? mk[d] : 0.0f;
+    mvv[k] = (in && centered) ? mv[d] : 0.0f;
+  }
+  float msv[MSP], lsv[MSP];
+  TQ_UNROLL
+  for (int i = 0; i < MSP; ++i) {
+    const int s = int(th.tid) + i * NT;
+    msv[i] = s < S ? ml[2 * s] : tq_neg_inf();
+    lsv[i] = s < S ? ml[2 * s + 1] : 0.0f;
+  }
+  float tkp[TKP][KPL];
+  TQ_UNROLL
+  for (int i = 0; i < TKP; ++i) {
+    const int j = group + i * NG;
+    const TQ_DEV QT* kr = tk + min(j, max(T - 1, 0)) * p.tk_stride[2];
+    TQ_UNROLL
+    for (int c = 0; c < KPL; ++c) {
+      tkp[i][c] = j < T ? tq_to_float(kr[glane + c * LPT]) : 0.0f;
+    }
+  }
+
+  // ---- the query row (log2 units) and q . key_mean: what centering took off every
+  // compressed token's score
   float shift = 0.0f;
-  if (T > 0 || p.centered != 0) { // uniform
-    const TQ_DEV QT* qr = q + b * p.q_stride[0] + h * p.q_stride[1] + l * p.q_stride[2];
+  if (need_q) {
     float part = 0.0f;
-    for (int d = int(th.tid); d < D; d += NT) {
-      const float x = tq_to_float(qr[d]) * p.scale_log2;
-      qs[d] = x;
-      part += p.centered != 0 ? x * mk[d] : 0.0f;
+    TQ_UNROLL
+    for (int k = 0; k < DPT; ++k) {
+      const int d = int(th.tid) + k * NT;
+      if (d < D) {
+        const float x = qv[k] * p.scale_log2;
+        qs[d] = x;
+        part += x * mkv[k];
+      }
     }
     part = tq_simd_sum(part);
     if (th.lane == 0) {
@@ -630,32 +675,43 @@ TQ_FN void tq_attention_merge_impl(
       shift += red[2 * NSG + k];
     }
   }
-  // Tail scores, in the compressed tokens' frame (minus the shift): groups of 8 lanes
-  // per token, 4 tokens per simdgroup at a time, so that each lane's loads are
-  // independent and a token's sum takes three shuffles.
+  // ---- tail scores in the compressed tokens' frame (minus the shift): groups of LPT
+  // lanes per token (three shuffles per sum)
   if (T > 0) {
-    constexpr int LPT = 8, TPS = TQ_SIMD / LPT;
-    const int sub = int(th.lane) / LPT, part_lane = int(th.lane) % LPT;
-    for (int j0 = int(th.simd) * TPS; j0 < T; j0 += NSG * TPS) { // uniform per simdgroup
-      const int j = min(j0 + sub, T - 1);
+    TQ_UNROLL
+    for (int i = 0; i < TKP; ++i) {
+      const int j = group + i * NG;
+      float dot = 0.0f;
+      TQ_UNROLL
+      for (int c = 0; c < KPL; ++c) {
+        dot += qs[glane + c * LPT] * tkp[i][c];
+      }
+      dot = tq_group_sum<LPT>(dot);
+      if (glane == 0 && j < T) {
+        tw[j] = dot - shift;
+      }
+    }
+    for (int j0 = TKP * NG + int(th.simd) * TPS; j0 < T; j0 += NG) { // longer tails
+      const int j = min(j0 + int(th.lane) / LPT, T - 1);
       const TQ_DEV QT* kr = tk + j * p.tk_stride[2];
       float dot = 0.0f;
       TQ_UNROLL
-      for (int i = 0; i < D / LPT; ++i) {
-        const int d = part_lane + i * LPT;
-        dot += qs[d] * tq_to_float(kr[d]);
+      for (int c = 0; c < KPL; ++c) {
+        dot += qs[glane + c * LPT] * tq_to_float(kr[glane + c * LPT]);
       }
       dot = tq_group_sum<LPT>(dot);
-      if (part_lane == 0 && j0 + sub < T) {
+      if (glane == 0 && j0 + int(th.lane) / LPT < T) {
         tw[j] = dot - shift;
       }
     }
     tq_threadgroup_barrier();
   }
 
+  // ---- softmax weights of the splits and the tail
   float mm = tq_neg_inf();
-  for (int s = int(th.tid); s < S; s += NT) {
-    mm = tq_fmax(mm, ml[2 * s]);
+  TQ_UNROLL
+  for (int i = 0; i < MSP; ++i) {
+    mm = tq_fmax(mm, msv[i]);
   }
   for (int j = int(th.tid); j < T; j += NT) {
     mm = tq_fmax(mm, tw[j]);
@@ -671,11 +727,14 @@ TQ_FN void tq_attention_merge_impl(
   }
   // lc: the compressed tokens' share of the softmax sum (their values get value_mean)
   float lc = 0.0f, lt = 0.0f;
-  for (int s = int(th.tid); s < S; s += NT) {
-    const float ms = ml[2 * s];
-    const float ws = (mm == tq_neg_inf() || ms == tq_neg_inf()) ? 0.0f : tq_exp2(ms - mm);
-    w[s] = ws;
-    lc += ml[2 * s + 1] * ws;
+  TQ_UNROLL
+  for (int i = 0; i < MSP; ++i) {
+    const int s = int(th.tid) + i * NT;
+    const float ws = (mm == tq_neg_inf() || msv[i] == tq_neg_inf()) ? 0.0f : tq_exp2(msv[i] - mm);
+    if (s < S) {
+      w[s] = ws;
+    }
+    lc += lsv[i] * ws;
   }
   for (int j = int(th.tid); j < T; j += NT) {
     const float wj = tq_exp2(tw[j] - mm); // tail scores are finite: mm is too
@@ -697,6 +756,7 @@ TQ_FN void tq_attention_merge_impl(
   }
   const float ll = lc + lt;
 
+  // ---- weighted sums
   const bool unrotate = TQRotatable<D>::value && p.unrotate_out != 0; // uniform
   float tail_o[DPT];
   TQ_UNROLL
@@ -727,20 +787,19 @@ TQ_FN void tq_attention_merge_impl(
       a0 += ps[0] * w[s];
     }
     const float oc = (a0 + a1) + (a2 + a3);
-    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-    const TQ_DEV QT* pv = tv + d;
-    const int64_t vs = p.tv_stride[2];
-    int j = 0;
-    for (; j + 4 <= T; j += 4, pv += 4 * vs) {
-      t0 += tq_to_float(pv[0]) * tw[j];
-      t1 += tq_to_float(pv[vs]) * tw[j + 1];
-      t2 += tq_to_float(pv[2 * vs]) * tw[j + 2];
-      t3 += tq_to_float(pv[3 * vs]) * tw[j + 3];
+    float t0 = 0.0f, t1 = 0.0f;
+    TQ_UNROLL
+    for (int j = 0; j + 1 < TVP; j += 2) { // staged values past T are 0
+      t0 += tvs[j * D + d] * (j < T ? tw[j] : 0.0f);
+      t1 += tvs[(j + 1) * D + d] * (j + 1 < T ? tw[j + 1] : 0.0f);
     }
-    for (; j < T; ++j, pv += vs) {
-      t0 += tq_to_float(pv[0]) * tw[j];
+    if (TVP % 2 != 0) {
+      t0 += tvs[(TVP - 1) * D + d] * (TVP - 1 < T ? tw[TVP - 1] : 0.0f);
     }
-    tail_o[k] = ((t0 + t1) + (t2 + t3)) + (p.centered != 0 ? lc * mv[d] : 0.0f);
+    for (int j = TVP; j < T; ++j) { // longer tails
+      t0 += tq_to_float(tv[j * vstride + d]) * tw[j];
+    }
+    tail_o[k] = (t0 + t1) + lc * mvv[k];
     if (unrotate) {
       qs[d] = oc; // the tail scores are done with the query row
     } else {

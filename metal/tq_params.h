@@ -24,9 +24,12 @@
 /// recent window) one attention call takes; the merge keeps their weights in
 /// threadgroup memory.
 #define TQ_MAX_TAIL 256
+/// Tail values the merge stages in threadgroup memory (floats: 40 tokens at head dim
+/// 128, fewer at larger ones; see tq_attention_merge_impl).
+#define TQ_MERGE_TAIL_VALUES 5120
 /// Threadgroup floats of the merge: split weights, tail weights, the query row,
-/// reduction scratch.
-#define TQ_MERGE_SMEM (TQ_MAX_SPLITS + TQ_MAX_TAIL + 256 + 16)
+/// reduction scratch, staged tail values (26.7 KB, within Metal's 32 KB).
+#define TQ_MERGE_SMEM (TQ_MAX_SPLITS + TQ_MAX_TAIL + 256 + 16 + TQ_MERGE_TAIL_VALUES)
 
 /// The per-layer rotation R = H diag(s) / sqrt(D) of a power-of-two head dim D (H the
 /// Walsh-Hadamard matrix in Sylvester order), for kernels that apply it themselves

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_kernel(
 }
 
 template <typename QT, int D>
-__global__ void __launch_bounds__(TQ_MERGE_THREADS) tq_attention_merge_kernel(
+__global__ void __launch_bounds__(TQ_MERGE_THREADS, 1) tq_attention_merge_kernel(
     const float* __restrict__ o_part,
     const float* __restrict__ ml_part,
     const QT* __restrict__ q,
