@@ -624,10 +624,17 @@ TQ_FN void tq_attention_merge_impl(
     for (int s = 0; s < PRE; ++s) {
       pre[k][s] = (in && s < S) ? op[s * D + d] : 0.0f;
     }
-    if (in) { // staged as loaded (read back by this thread only: no barrier needed)
+    if (in && T > 0) { // staged (read back by this thread only: no barrier needed)
+      // Unpredicated loads (tokens past the tail re-read its last one), all issued
+      // before the first is used.
+      QT raw[TVP];
       TQ_UNROLL
       for (int j = 0; j < TVP; ++j) {
-        tvs[j * D + d] = j < T ? tq_to_float(tv[j * vstride + d]) : 0.0f;
+        raw[j] = tv[min(j, T - 1) * vstride + d];
+      }
+      TQ_UNROLL
+      for (int j = 0; j < TVP; ++j) {
+        tvs[j * D + d] = j < T ? tq_to_float(raw[j]) : 0.0f;
       }
     }
     qv[k] = (in && need_q) ? tq_to_float(qr[d]) : 0.0f;
@@ -641,14 +648,15 @@ TQ_FN void tq_attention_merge_impl(
     msv[i] = s < S ? ml[2 * s] : tq_neg_inf();
     lsv[i] = s < S ? ml[2 * s + 1] : 0.0f;
   }
-  float tkp[TKP][KPL];
-  TQ_UNROLL
-  for (int i = 0; i < TKP; ++i) {
-    const int j = group + i * NG;
-    const TQ_DEV QT* kr = tk + min(j, max(T - 1, 0)) * p.tk_stride[2];
+  QT tkp[TKP][KPL]; // (unpredicated: tokens past the tail re-read its last one)
+  if (T > 0) {
     TQ_UNROLL
-    for (int c = 0; c < KPL; ++c) {
-      tkp[i][c] = j < T ? tq_to_float(kr[glane + c * LPT]) : 0.0f;
+    for (int i = 0; i < TKP; ++i) {
+      const TQ_DEV QT* kr = tk + min(group + i * NG, T - 1) * p.tk_stride[2];
+      TQ_UNROLL
+      for (int c = 0; c < KPL; ++c) {
+        tkp[i][c] = kr[glane + c * LPT];
+      }
     }
   }
 
@@ -684,7 +692,7 @@ TQ_FN void tq_attention_merge_impl(
       float dot = 0.0f;
       TQ_UNROLL
       for (int c = 0; c < KPL; ++c) {
-        dot += qs[glane + c * LPT] * tkp[i][c];
+        dot += qs[glane + c * LPT] * tq_to_float(tkp[i][c]);
       }
       dot = tq_group_sum<LPT>(dot);
       if (glane == 0 && j < T) {
@@ -788,16 +796,18 @@ TQ_FN void tq_attention_merge_impl(
     }
     const float oc = (a0 + a1) + (a2 + a3);
     float t0 = 0.0f, t1 = 0.0f;
-    TQ_UNROLL
-    for (int j = 0; j + 1 < TVP; j += 2) { // staged values past T are 0
-      t0 += tvs[j * D + d] * (j < T ? tw[j] : 0.0f);
-      t1 += tvs[(j + 1) * D + d] * (j + 1 < T ? tw[j + 1] : 0.0f);
-    }
-    if (TVP % 2 != 0) {
-      t0 += tvs[(TVP - 1) * D + d] * (TVP - 1 < T ? tw[TVP - 1] : 0.0f);
-    }
-    for (int j = TVP; j < T; ++j) { // longer tails
-      t0 += tq_to_float(tv[j * vstride + d]) * tw[j];
+    if (T > 0) { // (the staged values exist only then)
+      TQ_UNROLL
+      for (int j = 0; j + 1 < TVP; j += 2) { // staged values past T are 0
+        t0 += tvs[j * D + d] * (j < T ? tw[j] : 0.0f);
+        t1 += tvs[(j + 1) * D + d] * (j + 1 < T ? tw[j + 1] : 0.0f);
+      }
+      if (TVP % 2 != 0) {
+        t0 += tvs[(TVP - 1) * D + d] * (TVP - 1 < T ? tw[TVP - 1] : 0.0f);
+      }
+      for (int j = TVP; j < T; ++j) { // longer tails
+        t0 += tq_to_float(tv[j * vstride + d]) * tw[j];
+      }
     }
     tail_o[k] = (t0 + t1) + lc * mvv[k];
     if (unrotate) {
