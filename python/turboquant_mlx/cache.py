@@ -1133,7 +1133,7 @@ class TurboQuantKVCache(_BaseCache):
                 self._k_centroids, self._v_centroids, self._n_comp, scale, self.key_bits,
                 self.value_bits, False, None, **op_args,
             )
-            return out.astype(queries.dtype)
+            return out
         if simple:
             ring_step = self._ring_step_layout()
             if ring_step is not None:
@@ -1144,7 +1144,7 @@ class TurboQuantKVCache(_BaseCache):
                     self._k_centroids, self._v_centroids, c, scale, self.key_bits,
                     self.value_bits, False, None, tail_k=tail_k, tail_v=tail_v, **op_args,
                 )
-                return out.astype(queries.dtype)
+                return out
         q0 = self.offset - L
         ns, c, wpos = self._layout()
         segments = self._dense_segments(self.offset)
@@ -1159,7 +1159,7 @@ class TurboQuantKVCache(_BaseCache):
                 self._k_centroids, self._v_centroids, c, scale, self.key_bits,
                 self.value_bits, causal, op_mask, tail_k=tail_k, tail_v=tail_v, **op_args,
             )
-            return out.astype(queries.dtype)
+            return out
         parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
             parts.append(self._dequantized_part(queries, scale, mask, c, q0))
