@@ -9,10 +9,10 @@ attention work, their number decides the step time (see README, end-to-end decod
 The count is read from the graph of a decode step's output (``update_and_fetch`` +
 attention) on a filled cache, through ``mx.export_to_dot``; views (slices, reshapes,
 broadcasts) are listed apart since they launch nothing. The window presets also write
-each token into their fp16 window buffer in place; those writes are not part of the
-step's output and run in batches (every ``window_slack`` steps, with the buffer's
-rebuild), about two small copies per step. It is device independent, so it tracks
-this cost on a machine without a GPU.
+each token into their fp16 window buffer; those writes are deferred and done in batches
+(every ``window_slack`` steps, or when something reads the window), so they are not
+part of a step's graph. It is device independent, so it tracks this cost on a machine
+without a GPU.
 
 Usage:
   python bench/step_graph.py                      # fp16, k4v4 and the presets
