@@ -1046,29 +1046,37 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     for a, b in zip(ring.state, rebuild.state):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     assert all(t.shape[2] == 3 + 8 for t in tails)  # sinks + window, every step
-    # Ring steps concatenate nothing but the window buffer's rebuilds (keys and values,
-    # once every window_slack steps).
+    # Ring steps concatenate nothing but the window's rebuilds: with the rotation in the
+    # ops, from the ring once every R steps (keys and values, at most 3 inputs each: the
+    # older tokens kept and the ring's two runs); around the ops, the window buffer's
+    # rebuild once every window_slack steps.
     concatenations = []
     concatenate = mx.concatenate
-    monkeypatch.setattr(mx, "concatenate", lambda *a, **kw: concatenations.append(1) or
-                        concatenate(*a, **kw))
+    monkeypatch.setattr(mx, "concatenate", lambda arrays, *a, **kw: concatenations.append(
+        len(arrays)) or concatenate(arrays, *a, **kw))
     for _ in range(TurboQuantKVCache.window_slack):
         ring.update_and_fetch(_rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D)))
         ring.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
-    assert len(concatenations) == 2
-    # nbytes counts the window's whole buffer and the ring.
-    win_buffer = 2 * B * H * (ring._win_buf[0].shape[2]) * D * 2
+    if op_rotation:
+        assert len(concatenations) == 2 * TurboQuantKVCache.window_slack // 8
+        assert max(concatenations) <= 3
+    else:
+        assert len(concatenations) == 2
+    # nbytes counts the window (its whole buffer where it has one) and the ring.
     ring_bytes = 2 * B * H * (3 + 8) * D * (2 if op_rotation else 4)
     assert ring._ring[0].nbytes + ring._ring[1].nbytes == ring_bytes
-    assert ring._win_buf[0].shape[2] > ring._win_k.shape[2]
+    buf = ring._win_buf
+    window = buf[:2] if buf is not None and buf[3] is ring._win_k else (ring._win_k, ring._win_v)
+    if not op_rotation:
+        assert buf[0].shape[2] > ring._win_k.shape[2]
     assert ring.nbytes >= ring.used_nbytes - ring._win_k.nbytes - ring._win_v.nbytes + (
-        win_buffer + ring_bytes)
+        sum(a.nbytes for a in window) + ring_bytes)
 
 
 def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     # With model-space tails, a single token's window write is deferred (a ring step
-    # reads the ring, not the window) and done on the window's next read or once
-    # window_slack tokens wait. Whatever reads the window in between (a verify step,
+    # reads the ring, not the window) and done on the window's next read, or from the
+    # ring once R tokens wait. Whatever reads the window in between (a verify step,
     # trim, state, dequantized_keys_values) must see what immediate writes give.
     cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=4,
                calibration_tokens=16, seed=9)
@@ -1081,7 +1089,7 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     for c in (deferred, immediate):
         c.update_and_fetch(k, v)
         c.attention(q, 0.125, "causal")
-    window_buffer = None
+    windows = []
     pending_seen = 0
     for step in range(230):
         # a verify step reads the window; the last 80 steps read nothing but the ring
@@ -1095,10 +1103,8 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
         pending_seen = max(pending_seen, len(deferred._win_pending))
         np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"step {step}")
         # (the first window's tokens came with the prefill: they leave from the window)
-        if step == 10:
-            window_buffer = deferred._win_k_stored
-        if step == 19:
-            assert deferred._win_k_stored is window_buffer  # not written since
+        if 10 <= step < 20:
+            windows.append(deferred._win_k_stored)
         if step % 50 == 20 and step < 150:
             assert [c.trim(2) for c in (deferred, immediate)] == [2, 2]
         if step % 50 == 40 and step < 150:
@@ -1106,6 +1112,16 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
             kb, vb = immediate.dequantized_keys_values(mx.float32)
             np.testing.assert_array_equal(np.array(ka), np.array(kb))
             np.testing.assert_array_equal(np.array(va), np.array(vb))
+    # steps 10-19 (no reads of the window): written once, from the ring
+    assert len({id(w) for w in windows}) <= 2
+    assert pending_seen == cfg["fp16_recent_tokens"] - 1
+    # Appends without attention calls (no ring steps): window_slack tokens wait, then
+    # one write of those that are still in the window.
+    for step in range(TurboQuantKVCache.window_slack + 6):
+        k, v = _rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D))
+        for c in (deferred, immediate):
+            c.update_and_fetch(k, v)
+        pending_seen = max(pending_seen, len(deferred._win_pending))
     assert pending_seen == TurboQuantKVCache.window_slack - 1
     for a, b in zip(deferred.state, immediate.state):
         np.testing.assert_array_equal(np.array(a), np.array(b))

@@ -804,12 +804,30 @@ class TurboQuantKVCache(_BaseCache):
         """Writes the pending tokens (see :meth:`_defer_window_write`) into the window."""
         pending, drop = self._win_pending, self._win_pending_drop
         self._win_pending, self._win_pending_drop = [], 0
+        R = self.fp16_recent_tokens
+        ring = self._ring
+        held = self._win_k_stored.shape[2]
+        if (len(pending) == R and ring is not None and ring[2] == self.offset
+                and drop <= held and self._op_signs() is not None):
+            # The pending tokens are the window's last R positions, which the ring (in
+            # sync) holds too: the window is rebuilt from the kept older part and the
+            # ring's two runs, three copies instead of one per pending token.
+            ns = ring[0].shape[2] - R
+            r0 = ns + (self.offset - self.fp16_sink_tokens) % R  # slot of offset - R
+            parts_k = [self._win_k_stored[:, :, drop:], ring[0][:, :, r0:], ring[0][:, :, ns:r0]]
+            parts_v = [self._win_v_stored[:, :, drop:], ring[1][:, :, r0:], ring[1][:, :, ns:r0]]
+            wk = mx.concatenate([a for a in parts_k if a.shape[2]], axis=2)
+            wv = mx.concatenate([a for a in parts_v if a.shape[2]], axis=2)
+            # Evaluated now: nothing may keep views of the ring past the next ring step.
+            mx.async_eval(wk, wv)
+            self._win_k, self._win_v = wk, wv
+            self._win_buf = None
+            return
         if len(pending) == 1:
             rk, rv = pending[0]
         else:
             rk = mx.concatenate([k for k, _ in pending], axis=2)
             rv = mx.concatenate([v for _, v in pending], axis=2)
-        held = self._win_k_stored.shape[2]
         if drop > held:  # the pending tokens' own first ones left the window already
             rk, rv = rk[:, :, drop - held :], rv[:, :, drop - held :]
             drop = held
@@ -1204,6 +1222,8 @@ class TurboQuantKVCache(_BaseCache):
         tail_k[:, :, slot : slot + 1] = new[0]
         tail_v[:, :, slot : slot + 1] = new[1]
         self._ring = (tail_k, tail_v, P + 1)
+        if len(self._win_pending) == self.fp16_recent_tokens:
+            self._sync_window()  # (from the ring: see _sync_window)
         return tail_k, tail_v
 
     def _op_mask(self, mask, c: int, wpos: int, q0: int, L: int):
