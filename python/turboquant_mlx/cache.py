@@ -733,7 +733,10 @@ class TurboQuantKVCache(_BaseCache):
             self._quantize(rk, rv)
             self._win_start = P + n
             return
-        if n == 1 and self._defer_window_write(rk, rv, P):
+        first = S + self._n_comp  # first position not yet quantized
+        end = P + n - R  # positions before this leave the window
+        keep_from = max(self._win_start, P + n - self._window_capacity)
+        if n == 1 and self._defer_window_write(rk, rv, P, first, end, keep_from):
             return
         # The window buffer covers positions [win_start, P); with the new tokens,
         # [win_start, P + n). Spans of it are taken as views where they lie in one
@@ -749,8 +752,6 @@ class TurboQuantKVCache(_BaseCache):
             return (mx.concatenate([self._win_k[:, :, i:], rk[:, :, : j - held]], axis=2),
                     mx.concatenate([self._win_v[:, :, i:], rv[:, :, : j - held]], axis=2))
 
-        first = S + self._n_comp  # first position not yet quantized
-        end = P + n - R  # positions before this leave the window
         if end > first:
             if self._op_signs() is not None:
                 # A token that arrived alone is quantized from that array, so that the
@@ -764,7 +765,6 @@ class TurboQuantKVCache(_BaseCache):
                     self._quantize(*span(first, end))
         if n == 1 and self._op_signs() is not None:
             self._ring_tokens.append((P, rk, rv))
-        keep_from = max(self._win_start, P + n - self._window_capacity)
         drop = keep_from - self._win_start
         if n <= self.decode_max_queries and 0 < held and drop <= held:
             self._window_append(rk, rv, drop)
@@ -774,24 +774,22 @@ class TurboQuantKVCache(_BaseCache):
             self._win_buf = None
         self._win_start = keep_from
 
-    def _defer_window_write(self, rk: mx.array, rv: mx.array, P: int) -> bool:
-        """A single token's window update without touching the window buffer, when the
-        ops take model-space tails (a ring step's tail is the ring, not the window):
-        the token that leaves is quantized from the array it arrived in, and the new
-        one waits in ``_win_pending`` until the window is read or ``window_slack``
-        tokens are pending (then one write). Returns False where that does not apply."""
+    def _defer_window_write(self, rk: mx.array, rv: mx.array, P: int, first: int, end: int,
+                            keep_from: int) -> bool:
+        """A single token's window update (position ``P``; positions ``[first, end)``
+        leave the window, ``keep_from`` is its new start) without touching the window
+        buffer, when the ops take model-space tails (a ring step's tail is the ring, not
+        the window): the token that leaves is quantized from the array it arrived in,
+        and the new one waits in ``_win_pending`` until the window is read, the ring
+        holds R of them, or ``window_slack`` wait. Returns False where that does not
+        apply."""
         if self._op_signs() is None or _is_empty(self._win_k_stored):
             return False
-        first = self.fp16_sink_tokens + self._n_comp  # first position not yet quantized
-        end = P + 1 - self.fp16_recent_tokens
-        leaving = None
         if end > first:
             leaving = self._recent_token(first, end)
             if leaving is None:
                 return False
-        if leaving is not None:
             self._quantize(*leaving)
-        keep_from = max(self._win_start, P + 1 - self._window_capacity)
         self._win_pending.append((rk, rv))
         self._win_pending_drop += keep_from - self._win_start
         self._win_start = keep_from
@@ -1137,60 +1135,48 @@ class TurboQuantKVCache(_BaseCache):
         all stay in model space; the op rotates and undoes the centering. A step whose
         queries see every fp16 token (the usual one) is one op call."""
         L = queries.shape[2]
-        signs = self._op_signs()
-        op_args = dict(
-            rotation_signs=signs, rotate_output=self.rotate_values, key_mean=self._mu_k,
-            value_mean=self._mu_v,
-        )
         simple = L == 1 and sinks is None and not isinstance(mask, mx.array)
         if simple and self._n_comp == self.offset:
             # Every token compressed (the plain codec): the step's Python time is most of
             # its cost, so it skips the bookkeeping below.
-            out, _ = ops.compressed_attention(
-                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                self._k_centroids, self._v_centroids, self._n_comp, scale, self.key_bits,
-                self.value_bits, False, None, **op_args,
-            )
-            return out
+            return self._model_space_op(queries, self._n_comp, scale)[0]
         if simple:
             ring_step = self._ring_step_layout()
             if ring_step is not None:
                 ns, c = ring_step
-                tail_k, tail_v = self._ring_write_new_token(ns)
-                out, _ = ops.compressed_attention(
-                    queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                    self._k_centroids, self._v_centroids, c, scale, self.key_bits,
-                    self.value_bits, False, None, tail_k=tail_k, tail_v=tail_v, **op_args,
-                )
-                return out
+                tail = self._ring_write_new_token(ns)
+                return self._model_space_op(queries, c, scale, tail=tail)[0]
         q0 = self.offset - L
         ns, c, wpos = self._layout()
         segments = self._dense_segments(self.offset)
-        tail = sum(n for _, _, _, n in segments)
-        one_call = (sinks is None and c >= L and 0 < tail <= MAX_TAIL_TOKENS and all(
+        n_tail = sum(n for _, _, _, n in segments)
+        one_call = (sinks is None and c >= L and 0 < n_tail <= MAX_TAIL_TOKENS and all(
             self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
         if one_call:
-            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
-            tail_k, tail_v = self._model_space_tail(segments, ns, wpos, L)
-            out, _ = ops.compressed_attention(
-                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                self._k_centroids, self._v_centroids, c, scale, self.key_bits,
-                self.value_bits, causal, op_mask, tail_k=tail_k, tail_v=tail_v, **op_args,
-            )
-            return out
+            tail = self._model_space_tail(segments, ns, wpos, L)
+            return self._model_space_op(
+                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail)[0]
         parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
             parts.append(self._dequantized_part(queries, scale, mask, c, q0))
         elif c > 0:
-            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
-            parts.append(ops.compressed_attention(
-                queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                self._k_centroids, self._v_centroids, c, scale, self.key_bits,
-                self.value_bits, causal, op_mask, **op_args,
-            ))
+            parts.append(self._model_space_op(
+                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L)))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
+
+    def _model_space_op(self, queries, c: int, scale: float, causal: bool = False,
+                        op_mask=None, tail=(None, None)):
+        """``(out, lse)`` of the op over the ``c`` compressed tokens and a model-space
+        ``tail`` (keys, values), from the model's queries, in the model's space."""
+        return ops.compressed_attention(
+            queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+            self._k_centroids, self._v_centroids, c, scale, self.key_bits,
+            self.value_bits, causal, op_mask, tail_k=tail[0], tail_v=tail[1],
+            rotation_signs=self._op_signs(), rotate_output=self.rotate_values,
+            key_mean=self._mu_k, value_mean=self._mu_v,
+        )
 
     def _model_space_tail(self, segments, ns: int, wpos: int, L: int):
         """The fp16 segments (sinks, window; model space) as one tail. A full window
