@@ -247,6 +247,7 @@ def run_attention(
     capacity=None,
     tail=0,
     gapped=False,
+    scale_offset=0,
 ):
     capacity = capacity or kv_len + 3
     q_heads = kv_heads * group
@@ -271,6 +272,12 @@ def run_attention(
             wide = np.zeros(a.shape[:2] + (2 * a.shape[2],), a.dtype)
             wide[..., ::2] = a
             caches[i] = mx.array(wide)[..., ::2]
+    if scale_offset:  # scales that start mid-buffer: element `scale_offset` of wider rows
+        for i in (1, 3):
+            a = np.array(caches[i])
+            wide = np.zeros(a.shape[:2] + (a.shape[2] + scale_offset,), a.dtype)
+            wide[..., scale_offset:] = a
+            caches[i] = mx.array(wide)[..., scale_offset:]
     tail_k = tail_v = None
     if tail:
         # in the queries' dtype, as the op takes it (the reference reads the same values)
@@ -469,6 +476,21 @@ def test_attention_half_queries_gapped_cache(head_dim, key_bits, value_bits):
             value_bits=value_bits, q_dtype=mx.float16, gapped=True,
         )
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, key_bits, value_bits))
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("scale_offset", (1, 3, 8))
+def test_attention_half_queries_unaligned_scales(head_dim, scale_offset):
+    # K4V4's tensor-core kernel copies scales in 16-byte chunks from the boundary below
+    # each iteration's first one: scale rows at any 2-byte offset, lengths that end
+    # mid-chunk and mid-tile, one or several splits.
+    rng = np.random.default_rng(head_dim + scale_offset)
+    for kv_len, group in ((5, 4), (40, 4), (1500, 8), (4103, 4)):
+        result = run_attention(
+            rng, batch=2, kv_len=kv_len, group=group, head_dim=head_dim, q_dtype=mx.float16,
+            scale_offset=scale_offset,
+        )
+        assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])

@@ -57,12 +57,21 @@
 // tile but skip the decode (its memory time with the same access pattern).
 #define TQ_MMA_PROBE 0
 #endif
+#ifndef TQ_MMA_STAGES
+// Warp iterations of codes and scales staged in shared memory by cp.async per warp
+// (K4V4 at head dims <= 128), so that the loads hold no registers; 0 (and the other bit
+// widths) loads them into registers one iteration ahead instead. H200, d128 K4V4, device
+// time at 128k / 256k keys: 2 stages 48.4 / 85.8 µs, 3 stages 48.7 / 86.0, register
+// loads 56.3 / 99.6. Two stages also keep the kernel within an A100's shared memory.
+#define TQ_MMA_STAGES 2
+#endif
 #ifndef TQ_MMA_PSTRIDE
 // float16 elements per row of a warp's P tile. 16 packs the rows, which makes the stores
 // (lanes whose c differs by 2: rows 4 apart) and the B-fragment loads (lanes whose g
 // differs by 4) 2-way bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24
-// makes both conflict-free. Not yet measured: 16 (as tested) stays the default.
-#define TQ_MMA_PSTRIDE 16
+// makes both conflict-free (H200, d128 K4V4, staged, device time: 1% faster at 128k-256k
+// keys; with register loads it made no difference).
+#define TQ_MMA_PSTRIDE 24
 #endif
 
 namespace turboquant_mlx::cuda_kernels {
@@ -112,7 +121,24 @@ struct TQMmaConfig {
   static_assert(PSTRIDE >= 16 && PSTRIDE % 2 == 0, "P-tile rows hold 16 tokens, 4-byte aligned");
   static constexpr int PTILE = ROWS * PSTRIDE * 2;
   static constexpr int TAB_ALIGN = BYTE_ADDR ? 65536 : 16; // of the tables' shared address
-  static constexpr int LOOP_SMEM = TAB_ALIGN - 16 + KTAB + VTAB + WARPS * PTILE;
+  // cp.async staging (see tq_mma_stage_copy): each warp owns a ring of STAGES stages,
+  // each one warp iteration of codes and scales. Tokens are copied as they lie (a dense
+  // token axis), except that the value rows are permuted and swizzled so that the
+  // lanes' 8-byte reads of four tokens hit distinct banks. Scales are copied from the
+  // 16-byte boundary below the iteration's first scale (SCH chunks per array).
+  static constexpr bool STAGED = TQ_MMA_STAGES >= 2 && KB == 4 && VB == 4 && D <= 128;
+  static constexpr int STAGES = STAGED ? TQ_MMA_STAGES : 0;
+  static constexpr int SCH = 2 * MT + 1;
+  static constexpr int ST_V = TILE * KTOK; // stage offsets: keys at 0, then values,
+  static constexpr int ST_KS = ST_V + TILE * VTOK; // key scales,
+  static constexpr int ST_VS = ST_KS + 16 * SCH; // value scales
+  static constexpr int STAGE_BYTES = ST_VS + 16 * SCH;
+  static constexpr int RING = STAGES * STAGE_BYTES; // one warp's ring
+  // The rings fill the gap below the aligned tables first and continue after the P
+  // tiles: at most WARPS + 1 rings' worth beyond the tables and P tiles, or the gap.
+  static constexpr int FIXED_SMEM = KTAB + VTAB + WARPS * PTILE;
+  static constexpr int LOOP_SMEM = FIXED_SMEM +
+      (STAGED && (WARPS + 1) * RING > TAB_ALIGN - 16 ? (WARPS + 1) * RING : TAB_ALIGN - 16);
   // the final merge: m, l and o of every warp
   static constexpr int MERGE_SMEM = WARPS * ROWS * (D + 2) * 4;
   static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
@@ -279,6 +305,153 @@ __device__ __forceinline__ void tq_mma_load(
     tq_mma_load_tokens<D, KB, VB, NRB, false>(tl, c, t0, t_end - 1, g, cc);
   } else if (t0 < t_end) {
     tq_mma_load_tokens<D, KB, VB, NRB, true>(tl, c, t0, t_end - 1, g, cc);
+  }
+}
+
+/// cp.async of 16 bytes from global `src` to shared address `dst`, of which the first
+/// `src_bytes` (0..16) are read and the rest zero-filled (L2 only: read once).
+__device__ __forceinline__ void tq_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void tq_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/// Waits until at most N of this thread's committed cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void tq_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/// Row of token t (of a 16-token tile) in a stage's values: tokens 4..7 and 12..15 swap
+/// rows in pairs, so that tokens 2c (c = 0..3), read together, fall on two even and two
+/// odd rows.
+__device__ __forceinline__ uint32_t tq_stage_vrow(uint32_t t) {
+  return t ^ ((t >> 2) & 1u);
+}
+
+/// Byte swizzle within a stage's value row of token t: rows of 64 bytes hold 16 banks,
+/// so of the two even (odd) rows read together one is read with its 32-byte halves
+/// swapped.
+template <int VTOK>
+__device__ __forceinline__ uint32_t tq_stage_vswz(uint32_t t) {
+  return VTOK >= 64 ? ((t >> 1) & 1u) << 5 : 0u;
+}
+
+/// This lane's part of staging a warp iteration: 16-byte chunks lane + 32 r of the
+/// iteration's keys and of its values, and their offsets in a stage (constant per lane).
+template <int D, int KB, int VB, int NRB>
+struct TQMmaStageLane {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  static constexpr int KCH = C::KTOK / 16, VCH = C::VTOK / 16; // chunks per token
+  static constexpr int KR = C::TILE * KCH / 32, VR = C::TILE * VCH / 32; // chunks per lane
+  static_assert(C::TILE * KCH % 32 == 0 && C::TILE * VCH % 32 == 0, "whole rounds of chunks");
+  uint32_t vdst[VR]; // keys land at 16 * chunk: no table needed
+
+  __device__ __forceinline__ explicit TQMmaStageLane(int lane) {
+#pragma unroll
+    for (int r = 0; r < VR; ++r) {
+      const uint32_t j = uint32_t(lane + 32 * r), t = j / VCH, k = j % VCH;
+      const uint32_t row = (t & ~15u) | tq_stage_vrow(t & 15u);
+      vdst[r] = C::ST_V + row * C::VTOK + ((16u * k) ^ tq_stage_vswz<C::VTOK>(t & 15u));
+    }
+  }
+};
+
+/// Issues the cp.async copies of the warp iteration at t0 into the stage at shared
+/// address `stage` (layout: TQMmaConfig::ST_*), tokens from t_end on zero-filled, and
+/// commits them as one group (an empty group when t0 >= t_end, so that every iteration
+/// commits one). `sc_k` / `sc_v`: bytes from the iteration's first key / value scale
+/// down to the 16-byte boundary its scale chunks start at.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_stage_copy(
+    uint32_t stage, const TQMmaCache& c, const TQMmaStageLane<D, KB, VB, NRB>& sl, int t0,
+    int t_end, int lane, uint32_t sc_k, uint32_t sc_v) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  typedef TQMmaStageLane<D, KB, VB, NRB> SL;
+  if (t0 < t_end) {
+    const unsigned char* kc = c.kc + (uint32_t(t0) * C::KTOK + 16u * lane);
+    const unsigned char* vc = c.vc + (uint32_t(t0) * C::VTOK + 16u * lane);
+    if (t0 + C::TILE <= t_end) {
+#pragma unroll
+      for (int r = 0; r < SL::KR; ++r) {
+        tq_cp_async16(stage + 16u * (lane + 32 * r), kc + 512 * r, 16u);
+      }
+#pragma unroll
+      for (int r = 0; r < SL::VR; ++r) {
+        tq_cp_async16(stage + sl.vdst[r], vc + 512 * r, 16u);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < SL::KR; ++r) {
+        const bool in = t0 + (lane + 32 * r) / SL::KCH < t_end;
+        tq_cp_async16(stage + 16u * (lane + 32 * r), in ? kc + 512 * r : c.kc, in ? 16u : 0u);
+      }
+#pragma unroll
+      for (int r = 0; r < SL::VR; ++r) {
+        const bool in = t0 + (lane + 32 * r) / SL::VCH < t_end;
+        tq_cp_async16(stage + sl.vdst[r], in ? vc + 512 * r : c.vc, in ? 16u : 0u);
+      }
+    }
+    if (lane < 2 * C::SCH) {
+      // scale chunk s of the keys (lanes 0..SCH-1) or values, clipped to the split's end
+      const bool values = lane >= C::SCH;
+      const int s = values ? lane - C::SCH : lane;
+      const int off = 2 * t0 - int(values ? sc_v : sc_k) + 16 * s; // from the head's first scale
+      const int n = min(16, max(0, 2 * t_end - off));
+      const unsigned char* base = values ? c.vs : c.ks;
+      tq_cp_async16(stage + (values ? C::ST_VS : C::ST_KS) + 16u * s, n > 0 ? base + off : base,
+                    uint32_t(n));
+    }
+  }
+  tq_cp_async_commit();
+}
+
+/// Codes and scales of one staged warp iteration, from shared memory into registers.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_stage_read(
+    TQMmaTile<D, KB, VB, NRB>& tl, const unsigned char* stage, int g, int cc, uint32_t sc_k,
+    uint32_t sc_v) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  static_assert(C::KW % 2 == 0 && (C::VW == 1 || C::VW == 2), "staged slices: 8/16-byte keys, 4/8-byte values");
+#pragma unroll
+  for (int m = 0; m < C::MT; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = 16 * m + g + 8 * h;
+      const uint32_t* kp = reinterpret_cast<const uint32_t*>(stage + t * C::KTOK + cc * (C::KW * 4));
+#pragma unroll
+      for (int i = 0; i < C::KW; i += (C::KW % 4 == 0 ? 4 : 2)) {
+        if constexpr (C::KW % 4 == 0) {
+          const uint4 w = *reinterpret_cast<const uint4*>(kp + i);
+          tl.k[m][h][i] = w.x;
+          tl.k[m][h][i + 1] = w.y;
+          tl.k[m][h][i + 2] = w.z;
+          tl.k[m][h][i + 3] = w.w;
+        } else {
+          const uint2 w = *reinterpret_cast<const uint2*>(kp + i);
+          tl.k[m][h][i] = w.x;
+          tl.k[m][h][i + 1] = w.y;
+        }
+      }
+      tl.ks[m][h] = *reinterpret_cast<const __half*>(stage + C::ST_KS + sc_k + 2 * t);
+      tl.vs[m][h] = *reinterpret_cast<const __half*>(stage + C::ST_VS + sc_v + 2 * t);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t tt = uint32_t(2 * cc + (j & 1) + 8 * (j >> 1)); // token in the tile
+      const uint32_t at = C::ST_V + (16u * m + tq_stage_vrow(tt)) * C::VTOK +
+          ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(tt));
+      if constexpr (C::VW == 2) {
+        const uint2 w = *reinterpret_cast<const uint2*>(stage + at);
+        tl.v[m][j][0] = w.x;
+        tl.v[m][j][1] = w.y;
+      } else {
+        tl.v[m][j][0] = *reinterpret_cast<const uint32_t*>(stage + at);
+      }
+    }
   }
 }
 
@@ -695,20 +868,12 @@ tq_attention_mma_kernel(
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   const int t_fast = min(t_end, lim_min + 1);
   const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
-  // Two tiles in flight per warp, used alternately (no register copies, so a tile's
-  // loads are only waited for where it is decoded): tile a holds iteration 2i, tile b
-  // iteration 2i + 1, each reloaded right after use. Iterations past the split's end
-  // are not loaded (nor run); one that straddles it re-reads its last key.
-  TQMmaTile<D, KB, VB, NRB> ta, tb;
   int t0 = t_begin + warp * C::TILE;
   [[maybe_unused]] const int t_first = t0;
-  tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_end, g, cc);
-  tq_mma_load<D, KB, VB, NRB>(tb, c, t0 + C::STEP, t_end, g, cc);
-  __syncthreads(); // tables ready
 #if TQ_MMA_PROBE == 2
   uint32_t sink = 0;
 #endif
-  auto run = [&](TQMmaTile<D, KB, VB, NRB>& tl, int t) {
+  auto run = [&](const TQMmaTile<D, KB, VB, NRB>& tl, int t) {
 #if TQ_MMA_PROBE == 2
     for (int m = 0; m < C::MT; ++m) {
       for (int i = 0; i < C::KW; ++i) sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
@@ -726,14 +891,58 @@ tq_attention_mma_kernel(
           acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p, sup);
     }
   };
-  for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
-    run(ta, t0);
-    tq_mma_load<D, KB, VB, NRB>(ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
-    if (t0 + C::STEP >= t_end) {
-      break;
+  if constexpr (C::STAGED) {
+    // This warp's ring: in the gap below the tables while it has room, else after the
+    // P tiles (see TQMmaConfig::LOOP_SMEM).
+    const int in_gap = min(C::WARPS, int(tab_off) / C::RING);
+    const uint32_t ring_off = warp < in_gap
+        ? uint32_t(warp * C::RING)
+        : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
+    const uint32_t ring = smem_addr + ring_off;
+    const unsigned char* ring_ptr = tq_mma_smem + ring_off;
+    // the split's scales start this many bytes past a 16-byte boundary (every
+    // iteration's too: STEP is a multiple of 8 tokens)
+    const uint32_t sc_k = uint32_t(reinterpret_cast<uintptr_t>(c.ks + 2 * t0) & 15u);
+    const uint32_t sc_v = uint32_t(reinterpret_cast<uintptr_t>(c.vs + 2 * t0) & 15u);
+    const TQMmaStageLane<D, KB, VB, NRB> sl(lane);
+#pragma unroll
+    for (int i = 0; i < C::STAGES - 1; ++i) {
+      tq_mma_stage_copy<D, KB, VB, NRB>(
+          ring + i * C::STAGE_BYTES, c, sl, TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
     }
-    run(tb, t0 + C::STEP);
-    tq_mma_load<D, KB, VB, NRB>(tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
+    __syncthreads(); // tables ready
+    int cur = 0; // stage of iteration t0
+    for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
+      __syncwarp(); // every lane is done with the stage refilled next
+      const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
+      tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
+          TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane, sc_k, sc_v);
+      tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
+      __syncwarp(); // and every lane's
+      TQMmaTile<D, KB, VB, NRB> tl;
+      tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr + cur * C::STAGE_BYTES, g, cc, sc_k, sc_v);
+      run(tl, t0);
+      cur = cur == C::STAGES - 1 ? 0 : cur + 1;
+    }
+    tq_cp_async_wait<0>(); // (empty groups only; the merge below reuses the memory)
+  } else {
+    // Two tiles in flight per warp, used alternately (no register copies, so a tile's
+    // loads are only waited for where it is decoded): tile a holds iteration 2i, tile b
+    // iteration 2i + 1, each reloaded right after use. Iterations past the split's end
+    // are not loaded (nor run); one that straddles it re-reads its last key.
+    TQMmaTile<D, KB, VB, NRB> ta, tb;
+    tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_end, g, cc);
+    tq_mma_load<D, KB, VB, NRB>(tb, c, t0 + C::STEP, t_end, g, cc);
+    __syncthreads(); // tables ready
+    for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
+      run(ta, t0);
+      tq_mma_load<D, KB, VB, NRB>(ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
+      if (t0 + C::STEP >= t_end) {
+        break;
+      }
+      run(tb, t0 + C::STEP);
+      tq_mma_load<D, KB, VB, NRB>(tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
+    }
   }
 #if TQ_MMA_PROBE == 2
   if (sink == 0x9e3779b9u) {
@@ -826,15 +1035,16 @@ struct TQMmaShape {
   int step; // tokens per block iteration (split lengths are multiples of it)
   int threads; // per block
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
+  bool staged; // copies codes by 16-byte cp.async: each head's rows 16-byte aligned
 };
 
 inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
-  TQMmaShape s{0, 0, 0, 0};
+  TQMmaShape s{0, 0, 0, 0, false};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
     typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
                         decltype(nn)::value>
         C;
-    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS};
+    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
     if (nrb == 1) {

@@ -74,18 +74,30 @@ void set_max_dynamic_smem(const void* symbol, int bytes) {
   done[symbol] = bytes;
 }
 
-int sm_count(int device) {
+/// A device attribute, read once per device.
+int device_attribute(cudaDeviceAttr attr, int device, const char* what) {
   static std::mutex mu;
-  static std::unordered_map<int, int> cache;
+  static std::map<std::pair<int, int>, int> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
+  auto key = std::make_pair(int(attr), device);
+  auto it = cache.find(key);
   if (it != cache.end()) {
     return it->second;
   }
   int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "sm count");
-  cache.emplace(device, n);
+  check(cudaDeviceGetAttribute(&n, attr, device), what);
+  cache.emplace(key, n);
   return n;
+}
+
+int sm_count(int device) {
+  return device_attribute(cudaDevAttrMultiProcessorCount, device, "sm count");
+}
+
+/// Largest dynamic shared memory a block may opt in to (H100/H200 227 KiB, A100 163 KiB,
+/// most other GPUs 99 KiB or less).
+int max_block_smem(int device) {
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "shared memory per block");
 }
 
 int env_int(const char* name, int fallback) {
@@ -300,9 +312,11 @@ mx::array readable_codes(
 }
 
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
-/// float32 queries, head dims other than 64/128/256, value bits above key bits, or
+/// float32 queries, head dims other than 64/128/256, value bits above key bits, a GPU
+/// with less shared memory per block than the kernel takes, or
 /// TURBOQUANT_CUDA_ATTENTION=simt.
-const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb, int kv_len) {
+const void* mma_kernel_for(
+    const mx::array& q, int d, int kb, int vb, int nrb, int kv_len, int device) {
   if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
     return nullptr;
   }
@@ -314,12 +328,17 @@ const void* mma_kernel_for(const mx::array& q, int d, int kb, int vb, int nrb, i
   if (choice != nullptr && std::string(choice) == "simt") {
     return nullptr;
   }
+  const void* k = nullptr;
   switch (d) {
-    case 64: return ck::attention_mma_kernel_d64(kb, vb, nrb);
-    case 128: return ck::attention_mma_kernel_d128(kb, vb, nrb);
-    case 256: return ck::attention_mma_kernel_d256(kb, vb, nrb);
-    default: return nullptr;
+    case 64: k = ck::attention_mma_kernel_d64(kb, vb, nrb); break;
+    case 128: k = ck::attention_mma_kernel_d128(kb, vb, nrb); break;
+    case 256: k = ck::attention_mma_kernel_d256(kb, vb, nrb); break;
+    default: break;
   }
+  if (k != nullptr && ck::attention_mma_shape(d, kb, vb, nrb).smem > max_block_smem(device)) {
+    return nullptr;
+  }
+  return k;
 }
 
 /// Splits of the keys so that at most `target` blocks (the resident ones) run, each
@@ -432,12 +451,17 @@ void attention(
   // Tensor-core path (float16/bfloat16 queries): 8 or (head dims <= 128) 16 query rows
   // per block.
   const int nrb = rows <= 8 || D > 128 ? 1 : 2;
-  const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb, ap.kv_len);
+  const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb, ap.kv_len, enc.device().cuda_device());
   AttnShape sh = attn_shape(D);
+  ck::TQMmaShape msh{0, 0, 0, 0, false};
+  if (mma_sym != nullptr) {
+    msh = ck::attention_mma_shape(D, kb, vb, nrb);
+  }
   // Bits of codes one lane reads per token: tensor-core kernel D/4 key and D/8 value
-  // coordinates, SIMT kernel DL of each.
-  const int k_slice = mma_sym != nullptr ? D / 4 * kb : sh.DL * kb;
-  const int v_slice = mma_sym != nullptr ? D / 8 * vb : sh.DL * vb;
+  // coordinates, SIMT kernel DL of each; the staged tensor-core kernel copies 16-byte
+  // chunks (slices of 128 bits ask for the same alignment).
+  const int k_slice = msh.staged ? 128 : mma_sym != nullptr ? D / 4 * kb : sh.DL * kb;
+  const int v_slice = msh.staged ? 128 : mma_sym != nullptr ? D / 8 * vb : sh.DL * vb;
   // The tensor-core kernel addresses tokens as dense rows with 32-bit byte offsets.
   const bool dense = mma_sym != nullptr;
   const mx::array kc = readable_codes(inputs[1], k_slice, dense, enc);
@@ -496,10 +520,6 @@ void attention(
   // 2), splits of one iteration or more (4k keys: 8% faster than two). One wave.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
-  ck::TQMmaShape msh{0, 0, 0, 0};
-  if (mma_sym != nullptr) {
-    msh = ck::attention_mma_shape(D, kb, vb, nrb);
-  }
   const int target =
       env_int("TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
   auto [splits, split_len] = mma_sym != nullptr
