@@ -28,6 +28,12 @@
 //
 // The pair tables live in shared memory with one copy per lane (entry e of lane l at
 // word e*32 + l), so that the 32 lanes' random lookups never share a bank.
+//
+// Loads: K4V4 at head dims <= 128 (the 16-warp shape, where registers are scarcest)
+// copies each warp's next tile into a shared-memory ring with cp.async and reads it from
+// there when it decodes it (TQMmaConfig::STAGED); the other shapes keep the next tiles'
+// codes in registers. On an H200 the staging took 128k / 256k keys from 56.3 / 99.6 to
+// 48.4 / 85.8 µs of device time.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,13 +71,22 @@
 // loads 56.3 / 99.6. Two stages also keep the kernel within an A100's shared memory.
 #define TQ_MMA_STAGES 2
 #endif
+#ifndef TQ_MMA_PIPELINE
+// Staged kernel only: 1 overlaps each tile's values with the next tile's scores in one
+// block of code, 0 runs the phases of each tile one after another. H200, d128 K4V4,
+// device time at 128k / 256k keys: 1 took 50.5 / 90.9 µs, 0 47.7 / 85.8 (the overlap
+// needs registers that 16 warps of 128 do not leave); both pass the GPU tests.
+#define TQ_MMA_PIPELINE 0
+#endif
 #ifndef TQ_MMA_PSTRIDE
 // float16 elements per row of a warp's P tile. 16 packs the rows, which makes the stores
 // (lanes whose c differs by 2: rows 4 apart) and the B-fragment loads (lanes whose g
 // differs by 4) 2-way bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24
-// makes both conflict-free (H200, d128 K4V4, staged, device time: 1% faster at 128k-256k
-// keys; with register loads it made no difference).
-#define TQ_MMA_PSTRIDE 24
+// makes both conflict-free. H200, d128 K4V4, device time at 128k / 256k keys: staged
+// 51.9 / 88.4 µs against 52.1 / 89.5 with 16 (within run-to-run spread), register loads
+// no difference; a run with 24 had K3V3 3-4 µs slower than earlier runs with 16 (not
+// isolated). 16 stays the default.
+#define TQ_MMA_PSTRIDE 16
 #endif
 
 namespace turboquant_mlx::cuda_kernels {
@@ -128,6 +143,8 @@ struct TQMmaConfig {
   // 16-byte boundary below the iteration's first scale (SCH chunks per array).
   static constexpr bool STAGED = TQ_MMA_STAGES >= 2 && KB == 4 && VB == 4 && D <= 128;
   static constexpr int STAGES = STAGED ? TQ_MMA_STAGES : 0;
+  // one tile's values overlapped with the next tile's scores (see the kernel's loop)
+  static constexpr bool PIPELINED = STAGED && MT == 1 && TQ_MMA_PIPELINE && TQ_MMA_PROBE == 0;
   static constexpr int SCH = 2 * MT + 1;
   static constexpr int ST_V = TILE * KTOK; // stage offsets: keys at 0, then values,
   static constexpr int ST_KS = ST_V + TILE * VTOK; // key scales,
@@ -311,7 +328,8 @@ __device__ __forceinline__ void tq_mma_load(
 /// cp.async of 16 bytes from global `src` to shared address `dst`, of which the first
 /// `src_bytes` (0..16) are read and the rest zero-filled (L2 only: read once).
 __device__ __forceinline__ void tq_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 
@@ -409,19 +427,20 @@ __device__ __forceinline__ void tq_mma_stage_copy(
   tq_cp_async_commit();
 }
 
-/// Codes and scales of one staged warp iteration, from shared memory into registers.
+/// Keys and scales of one staged warp iteration, from shared memory into registers.
 template <int D, int KB, int VB, int NRB>
-__device__ __forceinline__ void tq_mma_stage_read(
+__device__ __forceinline__ void tq_mma_stage_read_keys(
     TQMmaTile<D, KB, VB, NRB>& tl, const unsigned char* stage, int g, int cc, uint32_t sc_k,
     uint32_t sc_v) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
-  static_assert(C::KW % 2 == 0 && (C::VW == 1 || C::VW == 2), "staged slices: 8/16-byte keys, 4/8-byte values");
+  static_assert(C::KW % 2 == 0, "staged key slices: 8 or 16 bytes");
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = 16 * m + g + 8 * h;
-      const uint32_t* kp = reinterpret_cast<const uint32_t*>(stage + t * C::KTOK + cc * (C::KW * 4));
+      const uint32_t* kp =
+          reinterpret_cast<const uint32_t*>(stage + t * C::KTOK + cc * (C::KW * 4));
 #pragma unroll
       for (int i = 0; i < C::KW; i += (C::KW % 4 == 0 ? 4 : 2)) {
         if constexpr (C::KW % 4 == 0) {
@@ -439,19 +458,41 @@ __device__ __forceinline__ void tq_mma_stage_read(
       tl.ks[m][h] = *reinterpret_cast<const __half*>(stage + C::ST_KS + sc_k + 2 * t);
       tl.vs[m][h] = *reinterpret_cast<const __half*>(stage + C::ST_VS + sc_v + 2 * t);
     }
+  }
+}
+
+/// This lane's value slices of tokens 2c, 2c+1, 2c+8, 2c+9 of tile m of a staged warp
+/// iteration (rows and swizzle as tq_mma_stage_copy put them).
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_stage_read_values(
+    uint32_t (&v)[4][TQMmaConfig<D, KB, VB, NRB>::VW], const unsigned char* stage, int m, int g,
+    int cc) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  static_assert(C::VW == 1 || C::VW == 2, "staged value slices: 4 or 8 bytes");
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t tt = uint32_t(2 * cc + (j & 1) + 8 * (j >> 1)); // token in the tile
-      const uint32_t at = C::ST_V + (16u * m + tq_stage_vrow(tt)) * C::VTOK +
-          ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(tt));
-      if constexpr (C::VW == 2) {
-        const uint2 w = *reinterpret_cast<const uint2*>(stage + at);
-        tl.v[m][j][0] = w.x;
-        tl.v[m][j][1] = w.y;
-      } else {
-        tl.v[m][j][0] = *reinterpret_cast<const uint32_t*>(stage + at);
-      }
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t tt = uint32_t(2 * cc + (j & 1) + 8 * (j >> 1)); // token in the tile
+    const uint32_t at = C::ST_V + (16u * m + tq_stage_vrow(tt)) * C::VTOK +
+        ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(tt));
+    if constexpr (C::VW == 2) {
+      const uint2 w = *reinterpret_cast<const uint2*>(stage + at);
+      v[j][0] = w.x;
+      v[j][1] = w.y;
+    } else {
+      v[j][0] = *reinterpret_cast<const uint32_t*>(stage + at);
     }
+  }
+}
+
+/// Codes and scales of one staged warp iteration, from shared memory into registers.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_stage_read(
+    TQMmaTile<D, KB, VB, NRB>& tl, const unsigned char* stage, int g, int cc, uint32_t sc_k,
+    uint32_t sc_v) {
+  tq_mma_stage_read_keys<D, KB, VB, NRB>(tl, stage, g, cc, sc_k, sc_v);
+#pragma unroll
+  for (int m = 0; m < TQMmaConfig<D, KB, VB, NRB>::MT; ++m) {
+    tq_mma_stage_read_values<D, KB, VB, NRB>(tl.v[m], stage, m, g, cc);
   }
 }
 
@@ -488,14 +529,14 @@ struct TQMmaAcc {
   float l[NRB][2]; // this lane's partial sum of exp2(s - m)
 };
 
-/// One warp iteration: MT tiles of 16 tokens starting at t0.
+/// Scores of one warp iteration (MT tiles of 16 tokens at t0), in log2 units:
+/// s[m][nb][0..1] token g (rows 2c, 2c+1), [2..3] token g+8; CHECK: masked ones -inf.
 template <int D, int KB, int VB, int NRB, bool CHECK>
-__device__ __forceinline__ void tq_mma_step(
-    TQMmaAcc<D, NRB>& acc,
+__device__ __forceinline__ void tq_mma_scores(
+    float (&s)[TQMmaConfig<D, KB, VB, NRB>::MT][NRB][4],
     const TQMmaTile<D, KB, VB, NRB>& tl,
     const uint32_t (&qf)[NRB][D / 16][2],
     uint32_t lane_base, // tables' shared address + 4 * lane
-    __half* ptile,
     int t0,
     int t_end,
     int row0,
@@ -508,16 +549,11 @@ __device__ __forceinline__ void tq_mma_step(
     float score_up) { // 2^qexp: the scale the queries were divided by
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK;
+  const uint32_t ktab = lane_base; // this lane's column of the tables (see TQMmaConfig)
 
-  // this lane's column of the tables (see TQMmaConfig)
-  const uint32_t ktab = lane_base;
-  const uint32_t vtab = C::VOFF + lane_base;
-
-  // ---- scores: s[m][nb][0..1] tokens g (rows 2c, 2c+1), [2..3] token g+8. K-blocks
-  // kb mod NCH accumulate apart (NCH mma chains of 1/NCH the length) where the
+  // K-blocks kb mod NCH accumulate apart (NCH mma chains of 1/NCH the length) where the
   // registers allow it (head dims <= 128: 2, K4V4 with one row block: 4).
   constexpr int NCH = D > 128 ? 1 : (KB == 4 && VB == 4 && NRB == 1 ? TQ_MMA_CHAINS_4BIT : 2);
-  float s[C::MT][NRB][4];
 #pragma unroll
   for (int m = 0; m < C::MT; ++m) {
     float s2[NCH][NRB][4];
@@ -589,19 +625,27 @@ __device__ __forceinline__ void tq_mma_step(
       }
     }
   }
+}
 
-  // ---- online softmax per row (rows 2c, 2c+1 of each row block; the 8 lanes g of a
-  // row pair reduce with xor-shuffles over lane bits 2..4). The running maxima only
-  // change when some score of the tile exceeds them, which after the first tiles is
-  // rare: one vote decides, and the reduction (three dependent shuffles per row) and the
-  // rescale of the accumulators run only then. The weights stay <= 1 either way.
-  // (Head dim 256 reduces and rescales every tile: the branch costs registers there.)
+/// Online softmax of one warp iteration's scores: updates the running maxima and sums,
+/// rescales the accumulators when a maximum grew, and turns s into the weights P, with
+/// the value scales vs folded in.
+template <int D, int NRB, int MT, bool CHECK>
+__device__ __forceinline__ void tq_mma_softmax(
+    TQMmaAcc<D, NRB>& acc, float (&s)[MT][NRB][4], const __half (&vs)[MT][2]) {
+  constexpr int KBLK = D / 16;
+  // Per row (rows 2c, 2c+1 of each row block; the 8 lanes g of a row pair reduce with
+  // xor-shuffles over lane bits 2..4). The running maxima only change when some score
+  // of the tile exceeds them, which after the first tiles is rare: one vote decides,
+  // and the reduction (three dependent shuffles per row) and the rescale of the
+  // accumulators run only then. The weights stay <= 1 either way. (Head dim 256
+  // reduces and rescales every tile: the branch costs registers there.)
   bool grow = D > 128;
   if constexpr (D <= 128) {
 #pragma unroll
     for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
-      for (int m = 0; m < C::MT; ++m) {
+      for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           grow = grow || s[m][nb][i] > acc.m[nb][i & 1];
@@ -617,7 +661,7 @@ __device__ __forceinline__ void tq_mma_step(
       for (int e = 0; e < 2; ++e) {
         float mx = acc.m[nb][e];
 #pragma unroll
-        for (int m = 0; m < C::MT; ++m) {
+        for (int m = 0; m < MT; ++m) {
           mx = fmaxf(mx, fmaxf(s[m][nb][e], s[m][nb][e + 2]));
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
@@ -641,79 +685,95 @@ __device__ __forceinline__ void tq_mma_step(
     for (int e = 0; e < 2; ++e) {
       const float mx = acc.m[nb][e];
 #pragma unroll
-      for (int m = 0; m < C::MT; ++m) {
+      for (int m = 0; m < MT; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float sv = s[m][nb][e + 2 * h];
           // masked (CHECK) scores are -inf, and so is mx while a row saw none
           const float pv = (CHECK && sv == tq_neg_inf()) ? 0.0f : tq_ex2(sv - mx);
           acc.l[nb][e] += pv;
-          s[m][nb][e + 2 * h] = pv * __half2float(tl.vs[m][h]); // value scale folded into P
+          s[m][nb][e + 2 * h] = pv * __half2float(vs[m][h]); // value scale folded into P
         }
       }
     }
   }
+}
 
-  // ---- values, one 16-token tile at a time
+/// The weights of one 16-token tile (s: the score layout, tokens on g) as B fragments
+/// of the value mma (tokens on c), through the warp's P tile: pb[nb][0] tokens 2c, 2c+1,
+/// pb[nb][1] tokens 2c+8, 2c+9, of row nb*8 + g.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_p_fragments(
+    uint32_t (&pb)[NRB][2], const float (&s)[NRB][4], __half* ptile, int g, int cc) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  __syncwarp(); // the previous tile's fragments were read
 #pragma unroll
-  for (int m = 0; m < C::MT; ++m) {
-    // P^T to the B layout: ptile[row][token] (float16), row = nb*8 + 2c + e.
-    __syncwarp();
+  for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
-    for (int nb = 0; nb < NRB; ++nb) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = nb * 8 + 2 * cc + (i & 1);
-        const int tok = g + 8 * (i >> 1);
-        ptile[row * C::PSTRIDE + tok] = __float2half_rn(s[m][nb][i]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const int row = nb * 8 + 2 * cc + (i & 1);
+      const int tok = g + 8 * (i >> 1);
+      ptile[row * C::PSTRIDE + tok] = __float2half_rn(s[nb][i]);
     }
-    __syncwarp();
-    uint32_t pb[NRB][2];
+  }
+  __syncwarp();
 #pragma unroll
-    for (int nb = 0; nb < NRB; ++nb) {
-      const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * C::PSTRIDE);
-      pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
-      pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
-    }
-    if constexpr (VB == 4) {
-      // Word j of a token's slice holds coordinates 8j..8j+7: m-blocks 4j..4j+3. The
-      // codes of one coordinate of two tokens are interleaved into bytes: even
-      // coordinates (slot g) and odd ones (slot g+8), for tokens 2c, 2c+1 and 2c+8, 2c+9.
+  for (int nb = 0; nb < NRB; ++nb) {
+    const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * C::PSTRIDE);
+    pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
+    pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
+  }
+}
+
+/// Adds one 16-token tile's values, weighted by pb, to the accumulators. v: this lane's
+/// value slices of tokens 2c, 2c+1, 2c+8, 2c+9.
+template <int D, int KB, int VB, int NRB>
+__device__ __forceinline__ void tq_mma_values(
+    TQMmaAcc<D, NRB>& acc,
+    const uint32_t (&v)[4][TQMmaConfig<D, KB, VB, NRB>::VW],
+    const uint32_t (&pb)[NRB][2],
+    uint32_t lane_base) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  constexpr int KBLK = C::KBLK;
+  const uint32_t vtab = C::VOFF + lane_base;
+  if constexpr (VB == 4) {
+    // Word j of a token's slice holds coordinates 8j..8j+7: m-blocks 4j..4j+3. The
+    // codes of one coordinate of two tokens are interleaved into bytes: even
+    // coordinates (slot g) and odd ones (slot g+8), for tokens 2c, 2c+1 and 2c+8, 2c+9.
 #pragma unroll
-      for (int j = 0; j < C::VW; ++j) {
-        const uint32_t w0 = tl.v[m][0][j], w1 = tl.v[m][1][j];
-        const uint32_t w2 = tl.v[m][2][j], w3 = tl.v[m][3][j];
-        const uint32_t e01 = (w0 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
-        const uint32_t o01 = ((w0 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
-        const uint32_t e23 = (w2 & 0x0F0F0F0Fu) | ((w3 << 4) & 0xF0F0F0F0u);
-        const uint32_t o23 = ((w2 >> 4) & 0x0F0F0F0Fu) | (w3 & 0xF0F0F0F0u);
+    for (int j = 0; j < C::VW; ++j) {
+      const uint32_t w0 = v[0][j], w1 = v[1][j];
+      const uint32_t w2 = v[2][j], w3 = v[3][j];
+      const uint32_t e01 = (w0 & 0x0F0F0F0Fu) | ((w1 << 4) & 0xF0F0F0F0u);
+      const uint32_t o01 = ((w0 >> 4) & 0x0F0F0F0Fu) | (w1 & 0xF0F0F0F0u);
+      const uint32_t e23 = (w2 & 0x0F0F0F0Fu) | ((w3 << 4) & 0xF0F0F0F0u);
+      const uint32_t o23 = ((w2 >> 4) & 0x0F0F0F0Fu) | (w3 & 0xF0F0F0F0u);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // byte k -> m-block 4j + k
-          uint32_t a[4];
-          a[0] = tq_lds(tq_byte_addr(e01, lane_base, k) + C::VOFF);
-          a[1] = tq_lds(tq_byte_addr(o01, lane_base, k) + C::VOFF);
-          a[2] = tq_lds(tq_byte_addr(e23, lane_base, k) + C::VOFF);
-          a[3] = tq_lds(tq_byte_addr(o23, lane_base, k) + C::VOFF);
+      for (int k = 0; k < 4; ++k) {
+        // byte k -> m-block 4j + k
+        uint32_t a[4];
+        a[0] = tq_lds(tq_byte_addr(e01, lane_base, k) + C::VOFF);
+        a[1] = tq_lds(tq_byte_addr(o01, lane_base, k) + C::VOFF);
+        a[2] = tq_lds(tq_byte_addr(e23, lane_base, k) + C::VOFF);
+        a[3] = tq_lds(tq_byte_addr(o23, lane_base, k) + C::VOFF);
 #pragma unroll
-          for (int nb = 0; nb < NRB; ++nb) {
-            tq_mma_16816(acc.o[nb][4 * j + k], a, pb[nb][0], pb[nb][1]);
-          }
+        for (int nb = 0; nb < NRB; ++nb) {
+          tq_mma_16816(acc.o[nb][4 * j + k], a, pb[nb][0], pb[nb][1]);
         }
       }
-    } else {
+    }
+  } else {
 #pragma unroll
     for (int mb = 0; mb < KBLK; ++mb) {
       // coordinate 2mb (dim slot g) and 2mb+1 (slot g+8) of this thread's value slice
-      const uint32_t c00 = tq_bits_at<VB>(tl.v[m][0], (2 * mb) * VB);
-      const uint32_t c01 = tq_bits_at<VB>(tl.v[m][1], (2 * mb) * VB);
-      const uint32_t c02 = tq_bits_at<VB>(tl.v[m][2], (2 * mb) * VB);
-      const uint32_t c03 = tq_bits_at<VB>(tl.v[m][3], (2 * mb) * VB);
-      const uint32_t c10 = tq_bits_at<VB>(tl.v[m][0], (2 * mb + 1) * VB);
-      const uint32_t c11 = tq_bits_at<VB>(tl.v[m][1], (2 * mb + 1) * VB);
-      const uint32_t c12 = tq_bits_at<VB>(tl.v[m][2], (2 * mb + 1) * VB);
-      const uint32_t c13 = tq_bits_at<VB>(tl.v[m][3], (2 * mb + 1) * VB);
+      const uint32_t c00 = tq_bits_at<VB>(v[0], (2 * mb) * VB);
+      const uint32_t c01 = tq_bits_at<VB>(v[1], (2 * mb) * VB);
+      const uint32_t c02 = tq_bits_at<VB>(v[2], (2 * mb) * VB);
+      const uint32_t c03 = tq_bits_at<VB>(v[3], (2 * mb) * VB);
+      const uint32_t c10 = tq_bits_at<VB>(v[0], (2 * mb + 1) * VB);
+      const uint32_t c11 = tq_bits_at<VB>(v[1], (2 * mb + 1) * VB);
+      const uint32_t c12 = tq_bits_at<VB>(v[2], (2 * mb + 1) * VB);
+      const uint32_t c13 = tq_bits_at<VB>(v[3], (2 * mb + 1) * VB);
       uint32_t a[4];
       a[0] = tq_pair<C::VSTRIDE>(vtab, c00 | (c01 << VB)); // dim slot g, tokens 2c, 2c+1
       a[1] = tq_pair<C::VSTRIDE>(vtab, c10 | (c11 << VB)); // slot g+8
@@ -724,7 +784,37 @@ __device__ __forceinline__ void tq_mma_step(
         tq_mma_16816(acc.o[nb][mb], a, pb[nb][0], pb[nb][1]);
       }
     }
-    }
+  }
+}
+
+/// One warp iteration: MT tiles of 16 tokens starting at t0, one phase after another.
+template <int D, int KB, int VB, int NRB, bool CHECK>
+__device__ __forceinline__ void tq_mma_step(
+    TQMmaAcc<D, NRB>& acc,
+    const TQMmaTile<D, KB, VB, NRB>& tl,
+    const uint32_t (&qf)[NRB][D / 16][2],
+    uint32_t lane_base,
+    __half* ptile,
+    int t0,
+    int t_end,
+    int row0,
+    int b,
+    int kvh,
+    int g,
+    int cc,
+    const unsigned char* mask,
+    const TQAttnParams& p,
+    float score_up) {
+  typedef TQMmaConfig<D, KB, VB, NRB> C;
+  float s[C::MT][NRB][4];
+  tq_mma_scores<D, KB, VB, NRB, CHECK>(
+      s, tl, qf, lane_base, t0, t_end, row0, b, kvh, g, cc, mask, p, score_up);
+  tq_mma_softmax<D, NRB, C::MT, CHECK>(acc, s, tl.vs);
+#pragma unroll
+  for (int m = 0; m < C::MT; ++m) {
+    uint32_t pb[NRB][2];
+    tq_mma_p_fragments<D, KB, VB, NRB>(pb, s[m], ptile, g, cc);
+    tq_mma_values<D, KB, VB, NRB>(acc, tl.v[m], pb, lane_base);
   }
 }
 
@@ -905,24 +995,102 @@ tq_attention_mma_kernel(
     const uint32_t sc_k = uint32_t(reinterpret_cast<uintptr_t>(c.ks + 2 * t0) & 15u);
     const uint32_t sc_v = uint32_t(reinterpret_cast<uintptr_t>(c.vs + 2 * t0) & 15u);
     const TQMmaStageLane<D, KB, VB, NRB> sl(lane);
+    if constexpr (C::PIPELINED) {
+      // Tile i's values go with tile i+1's scores, two independent chains of lookups
+      // and mma in one block of code: tile i+1's keys and scales, read from the stage
+      // while tile i's value codes and weights wait in registers. The ring holds tiles
+      // i+1 .. i+STAGES; tile i's stage is refilled once tile i+1 is read.
 #pragma unroll
-    for (int i = 0; i < C::STAGES - 1; ++i) {
-      tq_mma_stage_copy<D, KB, VB, NRB>(
-          ring + i * C::STAGE_BYTES, c, sl, TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
-    }
-    __syncthreads(); // tables ready
-    int cur = 0; // stage of iteration t0
-    for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
-      __syncwarp(); // every lane is done with the stage refilled next
-      const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
-      tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
-          TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane, sc_k, sc_v);
-      tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
-      __syncwarp(); // and every lane's
-      TQMmaTile<D, KB, VB, NRB> tl;
-      tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr + cur * C::STAGE_BYTES, g, cc, sc_k, sc_v);
-      run(tl, t0);
-      cur = cur == C::STAGES - 1 ? 0 : cur + 1;
+      for (int i = 0; i < C::STAGES; ++i) {
+        tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl, t0 + i * C::STEP, t_end,
+                                          lane, sc_k, sc_v);
+      }
+      __syncthreads(); // tables ready
+      if (t0 < t_end) { // uniform within a warp
+        tq_cp_async_wait<C::STAGES - 1>();
+        __syncwarp();
+        uint32_t vcur[4][C::VW]; // tile i: value slices
+        uint32_t pb[NRB][2]; // and weights
+        {
+          TQMmaTile<D, KB, VB, NRB> tl;
+          tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr, g, cc, sc_k, sc_v);
+          float sn[1][NRB][4];
+          auto first = [&](auto check) {
+            constexpr bool CK = decltype(check)::value;
+            tq_mma_scores<D, KB, VB, NRB, CK>(
+                sn, tl, qf, lane_base, t0, t_end, row0, b, kvh, g, cc, mask, p, sup);
+            tq_mma_softmax<D, NRB, 1, CK>(acc, sn, tl.vs);
+          };
+          if (p.mask_kind == 0 && t0 + C::TILE <= t_fast) {
+            first(std::false_type{});
+          } else {
+            first(std::true_type{});
+          }
+          tq_mma_p_fragments<D, KB, VB, NRB>(pb, sn[0], ptile, g, cc);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int w = 0; w < C::VW; ++w) {
+              vcur[j][w] = tl.v[0][j][w];
+            }
+          }
+        }
+        int cur = 0; // stage of tile i
+        for (;;) {
+          const int t1 = t0 + C::STEP; // tile i+1
+          if (t1 >= t_end) {
+            tq_mma_values<D, KB, VB, NRB>(acc, vcur, pb, lane_base);
+            break;
+          }
+          __syncwarp(); // every lane is done with tile i's stage
+          tq_mma_stage_copy<D, KB, VB, NRB>(ring + cur * C::STAGE_BYTES, c, sl,
+                                            t0 + C::STAGES * C::STEP, t_end, lane, sc_k, sc_v);
+          cur = cur == C::STAGES - 1 ? 0 : cur + 1;
+          tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of tile i+1 landed
+          __syncwarp(); // and every lane's
+          const unsigned char* st = ring_ptr + cur * C::STAGE_BYTES;
+          TQMmaTile<D, KB, VB, NRB> tn;
+          tq_mma_stage_read_keys<D, KB, VB, NRB>(tn, st, g, cc, sc_k, sc_v);
+          float sn[1][NRB][4];
+          auto next = [&](auto check) {
+            constexpr bool CK = decltype(check)::value;
+            tq_mma_values<D, KB, VB, NRB>(acc, vcur, pb, lane_base);
+            tq_mma_scores<D, KB, VB, NRB, CK>(
+                sn, tn, qf, lane_base, t1, t_end, row0, b, kvh, g, cc, mask, p, sup);
+            tq_mma_stage_read_values<D, KB, VB, NRB>(vcur, st, 0, g, cc);
+            tq_mma_softmax<D, NRB, 1, CK>(acc, sn, tn.vs);
+          };
+          if (p.mask_kind == 0 && t1 + C::TILE <= t_fast) {
+            next(std::false_type{});
+          } else {
+            next(std::true_type{});
+          }
+          tq_mma_p_fragments<D, KB, VB, NRB>(pb, sn[0], ptile, g, cc);
+          t0 = t1;
+        }
+      }
+    } else {
+      // Each iteration refills the stage read last, then waits for its own (issued
+      // STAGES - 1 iterations before) and runs its phases one after another.
+#pragma unroll
+      for (int i = 0; i < C::STAGES - 1; ++i) {
+        tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl,
+            TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
+      }
+      __syncthreads(); // tables ready
+      int cur = 0; // stage of iteration t0
+      for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
+        __syncwarp(); // every lane is done with the stage refilled next
+        const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
+        tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
+            TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane, sc_k, sc_v);
+        tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
+        __syncwarp(); // and every lane's
+        TQMmaTile<D, KB, VB, NRB> tl;
+        tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr + cur * C::STAGE_BYTES, g, cc, sc_k, sc_v);
+        run(tl, t0);
+        cur = cur == C::STAGES - 1 ? 0 : cur + 1;
+      }
     }
     tq_cp_async_wait<0>(); // (empty groups only; the merge below reuses the memory)
   } else {

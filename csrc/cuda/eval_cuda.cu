@@ -97,7 +97,8 @@ int sm_count(int device) {
 /// Largest dynamic shared memory a block may opt in to (H100/H200 227 KiB, A100 163 KiB,
 /// most other GPUs 99 KiB or less).
 int max_block_smem(int device) {
-  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "shared memory per block");
+  return device_attribute(
+      cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "shared memory per block");
 }
 
 int env_int(const char* name, int fallback) {
