@@ -1013,7 +1013,8 @@ tq_attention_mma_kernel(
         uint32_t pb[NRB][2]; // and weights
         {
           TQMmaTile<D, KB, VB, NRB> tl;
-          tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr, g, cc, sc_k, sc_v);
+          tq_mma_stage_read_keys<D, KB, VB, NRB>(tl, ring_ptr, g, cc, sc_k, sc_v);
+          tq_mma_stage_read_values<D, KB, VB, NRB>(vcur, ring_ptr, 0, g, cc);
           float sn[1][NRB][4];
           auto first = [&](auto check) {
             constexpr bool CK = decltype(check)::value;
@@ -1027,13 +1028,6 @@ tq_attention_mma_kernel(
             first(std::true_type{});
           }
           tq_mma_p_fragments<D, KB, VB, NRB>(pb, sn[0], ptile, g, cc);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int w = 0; w < C::VW; ++w) {
-              vcur[j][w] = tl.v[0][j][w];
-            }
-          }
         }
         int cur = 0; // stage of tile i
         for (;;) {
