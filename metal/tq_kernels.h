@@ -568,7 +568,10 @@ TQ_FN void tq_attention_impl(
 ///   q (B, Hq, L, D) QT [tail or centered]; tail_k / tail_v (B, Hkv, tail_len, D) QT
 ///   [tail_len > 0]; key_mean / value_mean (B, Hkv, D) float [centered]
 /// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
-template <typename QT, int D>
+/// COMPACT: fewer loads in flight (4 partials per coordinate, one tail key per group,
+/// 16 tail values staged) and at most TQ_MERGE_COMPACT_SPLITS splits, for a caller with fewer registers to
+/// spare (the CUDA tensor-core kernel's fused merge).
+template <typename QT, int D, bool COMPACT = false>
 TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* TQ_RESTRICT o_part,
     const TQ_DEV float* TQ_RESTRICT ml_part,
@@ -586,13 +589,17 @@ TQ_FN void tq_attention_merge_impl(
   // The merge is a short chain of dependent steps, each of which would wait for global
   // memory: so everything it reads is loaded first, in registers, with one wait.
   //   PRE  partials per coordinate (the rest are read in the value sum)
-  //   MSP  (m, l) pairs per thread: every split (TQ_MAX_SPLITS = NT * MSP)
+  //   MSP  (m, l) pairs per thread: every split (NT * MSP = TQ_MAX_SPLITS, compact:
+  //        TQ_MERGE_COMPACT_SPLITS)
   //   LPT  lanes per tail token in the scores (NG groups); TKP tokens per group
   //   TVP  tail tokens whose values are staged in threadgroup memory
   // (a window preset's 36-token tail fits TKP and TVP; longer tails read the rest later)
-  constexpr int PRE = 16, DPT = (D + NT - 1) / NT, MSP = TQ_MAX_SPLITS / NT;
+  constexpr int PRE = COMPACT ? 4 : 16, DPT = (D + NT - 1) / NT;
+  constexpr int MSP = (COMPACT ? TQ_MERGE_COMPACT_SPLITS : TQ_MAX_SPLITS) / NT;
   constexpr int LPT = 8, TPS = TQ_SIMD / LPT, NG = NSG * TPS, KPL = D / LPT;
-  constexpr int TKP = D <= 128 ? 3 : 1, TVP = TQ_MERGE_TAIL_VALUES / D < 40 ? TQ_MERGE_TAIL_VALUES / D : 40;
+  constexpr int TKP = D <= 128 && !COMPACT ? 3 : 1;
+  constexpr int TVP_MAX = COMPACT ? 16 : 40;
+  constexpr int TVP = TQ_MERGE_TAIL_VALUES / D < TVP_MAX ? TQ_MERGE_TAIL_VALUES / D : TVP_MAX;
   const int row = int(th.tg_x);
   const int S = p.n_splits, T = p.tail_len;
   const TQ_DEV float* ml = ml_part + int64_t(row) * S * 2;
@@ -622,7 +629,7 @@ TQ_FN void tq_attention_merge_impl(
     const bool in = d < D;
     TQ_UNROLL
     for (int s = 0; s < PRE; ++s) {
-      pre[k][s] = (in && s < S) ? op[s * D + d] : 0.0f;
+      pre[k][s] = (in && s < S) ? tq_load_partial(op + s * D + d) : 0.0f;
     }
     if (in && T > 0) { // staged (read back by this thread only: no barrier needed)
       // Unpredicated loads (tokens past the tail re-read its last one), all issued
@@ -645,8 +652,8 @@ TQ_FN void tq_attention_merge_impl(
   TQ_UNROLL
   for (int i = 0; i < MSP; ++i) {
     const int s = int(th.tid) + i * NT;
-    msv[i] = s < S ? ml[2 * s] : tq_neg_inf();
-    lsv[i] = s < S ? ml[2 * s + 1] : 0.0f;
+    msv[i] = s < S ? tq_load_partial(ml + 2 * s) : tq_neg_inf();
+    lsv[i] = s < S ? tq_load_partial(ml + 2 * s + 1) : 0.0f;
   }
   QT tkp[TKP][KPL]; // (unpredicated: tokens past the tail re-read its last one)
   if (T > 0) {
@@ -786,13 +793,13 @@ TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* ps = op + PRE * D + d;
     int s = PRE;
     for (; s + 4 <= S; s += 4, ps += 4 * D) {
-      a0 += ps[0] * w[s];
-      a1 += ps[D] * w[s + 1];
-      a2 += ps[2 * D] * w[s + 2];
-      a3 += ps[3 * D] * w[s + 3];
+      a0 += tq_load_partial(ps) * w[s];
+      a1 += tq_load_partial(ps + D) * w[s + 1];
+      a2 += tq_load_partial(ps + 2 * D) * w[s + 2];
+      a3 += tq_load_partial(ps + 3 * D) * w[s + 3];
     }
     for (; s < S; ++s, ps += D) {
-      a0 += ps[0] * w[s];
+      a0 += tq_load_partial(ps) * w[s];
     }
     const float oc = (a0 + a1) + (a2 + a3);
     float t0 = 0.0f, t1 = 0.0f;

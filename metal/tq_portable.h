@@ -192,6 +192,10 @@ TQ_FN void tq_threadgroup_barrier() {
 TQ_FN void tq_simdgroup_barrier() {
   simdgroup_barrier(mem_flags::mem_threadgroup);
 }
+/// A split-K partial result (see tq_attention_merge_impl).
+TQ_FN float tq_load_partial(const TQ_DEV float* p) {
+  return *p;
+}
 
 #else
 
@@ -217,6 +221,12 @@ TQ_FN void tq_threadgroup_barrier() {
 }
 TQ_FN void tq_simdgroup_barrier() {
   __syncwarp();
+}
+/// A split-K partial result: from L2 (ld.global.cg), never through the read-only or L1
+/// caches, so that a block of the attention kernel that merges its splits (the
+/// tensor-core kernel's fused merge) sees what the other blocks wrote.
+TQ_FN float tq_load_partial(const TQ_DEV float* p) {
+  return __ldcg(p);
 }
 
 #endif

@@ -248,6 +248,7 @@ def run_attention(
     tail=0,
     gapped=False,
     scale_offset=0,
+    q_offset=0,
 ):
     capacity = capacity or kv_len + 3
     q_heads = kv_heads * group
@@ -258,6 +259,10 @@ def run_attention(
         rng, batch, kv_heads, capacity, kv_len, head_dim, value_bits
     )
     q = mx.array(2.0 * rng.standard_normal((batch, q_heads, q_len, head_dim))).astype(q_dtype)
+    if q_offset:  # query rows that start mid-buffer: element `q_offset` of wider rows
+        wide = mx.zeros((batch, q_heads, q_len, head_dim + q_offset), q_dtype)
+        wide[..., q_offset:] = q
+        q = wide[..., q_offset:]
     m = make_mask(mask, rng, batch, q_heads, q_len, kv_len)
     scale = 1.0 / math.sqrt(head_dim)
     caches = [mx.array(a) for a in (k_words, k_scales, v_words, v_scales)]
@@ -491,6 +496,35 @@ def test_attention_half_queries_unaligned_scales(head_dim, scale_offset):
             scale_offset=scale_offset,
         )
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
+
+
+@pytest.mark.parametrize("q_offset", (1, 4))
+def test_attention_half_queries_unaligned_query_rows(q_offset):
+    # The tensor-core kernel reads query rows in 16-byte loads; rows that do not start
+    # on a 16-byte boundary are copied first.
+    rng = np.random.default_rng(40 + q_offset)
+    for q_dtype in (mx.float16, mx.bfloat16):
+        result = run_attention(
+            rng, batch=2, q_len=2, kv_len=700, group=4, q_dtype=q_dtype, q_offset=q_offset,
+        )
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
+
+
+@pytest.mark.parametrize("fused", ("0", "1"))
+@pytest.mark.parametrize("splits", ("3", "36"))
+def test_attention_half_queries_merge_in_kernel_or_apart(monkeypatch, fused, splits):
+    # TURBOQUANT_FUSED_MERGE=1: with 4-bit keys the tensor-core kernel's last block per
+    # (batch, KV head, rows) merges the splits; 0 (the default) launches the merge kernel
+    # after it. The tail goes through both.
+    monkeypatch.setenv("TURBOQUANT_FUSED_MERGE", fused)
+    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
+    for head_dim, q_dtype, tail in ((128, mx.float16, 0), (64, mx.bfloat16, 36), (256, mx.float16, 5)):
+        result = run_attention(
+            rng, batch=2, q_len=1, kv_len=9000, group=4, head_dim=head_dim, q_dtype=q_dtype,
+            tail=tail,
+        )
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])

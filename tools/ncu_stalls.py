@@ -68,6 +68,15 @@ def main():
     ]
     body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
     total = sum(number(r[si]) for r in body) or 1.0
+    # where the samples fall: before the first mma (tables, queries, first copies), from
+    # the first to the last (the key loop) and after it (the warps' merge, the results)
+    mma = [i for i, r in enumerate(body) if "HMMA" in r[1]]
+    if mma:
+        parts = {"before the first mma": body[: mma[0]], "key loop": body[mma[0] : mma[-1] + 1],
+                 "after the last mma": body[mma[-1] + 1 :]}
+        print("\nstall samples by region:")
+        for name, rs in parts.items():
+            print(f"  {name:22s} {100 * sum(number(r[si]) for r in rs) / total:5.1f}%  ({len(rs)} instructions)")
     print(f"\ntotal stall samples {total:.0f}; top {top} instructions:")
     for r in sorted(body, key=lambda r: -number(r[si]))[:top]:
         why = sorted(((number(r[i]) or 0.0, head[i]) for i in reasons), reverse=True)[:3]

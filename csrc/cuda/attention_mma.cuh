@@ -40,6 +40,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <cstdio> // (TQ_MMA_PROBE=3 prints)
 #include <type_traits>
 
 #include "tq_kernels.h" // tq_mask_value, tq_neg_inf, TQAttnParams
@@ -58,9 +59,11 @@
 #define TQ_MMA_CHAINS_4BIT 4
 #endif
 #ifndef TQ_MMA_PROBE
-// Measurement builds only (wrong results): 1 = decode the warp's first tile over and over
-// (reloaded from the same addresses, L1 hits: the kernel's compute time), 2 = load every
-// tile but skip the decode (its memory time with the same access pattern).
+// Measurement builds only: 1 = decode the warp's first tile over and over (reloaded from
+// the same addresses, L1 hits: the kernel's compute time), 2 = load every tile but skip
+// the decode (its memory time with the same access pattern); both compute wrong results.
+// 3 = correct results, and each block's thread 0 prints when it reached the phases of
+// the kernel (%globaltimer, ns; tools/mma_timeline.py reads them).
 #define TQ_MMA_PROBE 0
 #endif
 #ifndef TQ_MMA_STAGES
@@ -156,9 +159,26 @@ struct TQMmaConfig {
   static constexpr int FIXED_SMEM = KTAB + VTAB + WARPS * PTILE;
   static constexpr int LOOP_SMEM = FIXED_SMEM +
       (STAGED && (WARPS + 1) * RING > TAB_ALIGN - 16 ? (WARPS + 1) * RING : TAB_ALIGN - 16);
-  // the final merge: m, l and o of every warp
-  static constexpr int MERGE_SMEM = WARPS * ROWS * (D + 2) * 4;
-  static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
+  // The final merge: a warp's accumulators as they lie in its registers, per (row block
+  // nb, row parity e, m-block mb) a group of 64 floats, lane l's float2 (dims 2mb, 2mb+1
+  // of its slice, row nb*8 + 2c + e) at 2l; groups 66 floats apart, so that the reads of
+  // consecutive element pairs of a row (other groups, the same lanes) spread over the
+  // banks. Then m and l of every warp, and the rows' maxima and sums.
+  static constexpr int MERGE_GROUP = 66;
+  static constexpr int MERGE_SLOTS = NRB * 2 * KBLK * MERGE_GROUP; // floats per warp
+  static constexpr int MERGE_SMEM = (WARPS * (MERGE_SLOTS + 2 * ROWS) + 2 * ROWS) * 4;
+  __host__ __device__ static constexpr int merge_slot(int nb, int e, int mb, int lane) {
+    return ((nb * 2 + e) * KBLK + mb) * MERGE_GROUP + 2 * lane;
+  }
+  // The split-K merge in the kernel (4-bit keys: these blocks have the shared memory for
+  // it): the last block of a (batch, KV head, row chunk) to finish merges its splits,
+  // MERGE_GROUPS rows at a time, one group of TQ_MERGE_THREADS threads per row.
+  static constexpr bool FUSED_MERGE = BYTE_ADDR;
+  static constexpr int MERGE_GROUPS = THREADS / TQ_MERGE_THREADS;
+  static_assert(!FUSED_MERGE || THREADS % TQ_MERGE_THREADS == 0, "whole merge groups");
+  static constexpr int FUSED_SMEM = FUSED_MERGE ? MERGE_GROUPS * TQ_MERGE_SMEM * 4 : 0;
+  static constexpr int SMEM_A = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
+  static constexpr int SMEM = SMEM_A > FUSED_SMEM ? SMEM_A : FUSED_SMEM;
 };
 
 __device__ __forceinline__ void tq_mma_16816(
@@ -521,6 +541,32 @@ __device__ __forceinline__ uint32_t tq_pair(uint32_t tab, uint32_t idx) {
   return tq_lds(tab + idx * STRIDE);
 }
 
+#if TQ_MMA_PROBE == 3
+__device__ __forceinline__ unsigned long long tq_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define TQ_MMA_MARK(i) tq_cy[i] = clock64()
+#else
+#define TQ_MMA_MARK(i)
+#endif
+
+/// Fills a pair table at shared pointer `tab` (entries STRIDE bytes apart, 32 lane
+/// columns of 4 bytes each): entry e = float16 pair (cent[e % 2^B], cent[e / 2^B]), where
+/// `mine` is lane l's cent[l % 2^B].
+template <int B, int STRIDE>
+__device__ __forceinline__ void tq_mma_pair_table(
+    unsigned char* tab, float mine, int warp, int lane, int warps) {
+  constexpr int ENTRIES = 1 << (2 * B), MASK = (1 << B) - 1;
+  for (int e0 = 4 * warp; e0 < ENTRIES; e0 += 4 * warps) { // uniform within a warp
+    const int e = e0 + (lane >> 3);
+    const uint32_t pair = tq_pack_half2(__shfl_sync(0xffffffffu, mine, e & MASK),
+                                        __shfl_sync(0xffffffffu, mine, e >> B));
+    *reinterpret_cast<uint4*>(tab + e * STRIDE + 16 * (lane & 7)) = make_uint4(pair, pair, pair, pair);
+  }
+}
+
 /// Online-softmax state of one thread: rows nb*8 + 2c + {0, 1} for each row block nb.
 template <int D, int NRB>
 struct TQMmaAcc {
@@ -838,11 +884,24 @@ tq_attention_mma_kernel(
     float* __restrict__ o_part,
     float* __restrict__ ml_part,
     const __grid_constant__ TQAttnParams p,
-    int q_bf16) {
+    int q_bf16,
+    unsigned int* __restrict__ merge_count,
+    const void* __restrict__ tail_k,
+    const void* __restrict__ tail_v,
+    const float* __restrict__ key_mean,
+    const float* __restrict__ value_mean,
+    const __grid_constant__ TQMergeParams mp) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
 
+#if TQ_MMA_PROBE == 3
+  // the SM's clock at the phases of the kernel (TQ_MMA_MARK), %globaltimer (ns) at its
+  // entry and end
+  long long tq_cy[12] = {};
+  const unsigned long long tq_gt0 = tq_globaltimer();
+#endif
+  TQ_MMA_MARK(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, cc = lane & 3;
   const int chunk = blockIdx.x, split = blockIdx.y;
@@ -855,18 +914,75 @@ tq_attention_mma_kernel(
   unsigned char* tabs = tq_mma_smem + tab_off;
   __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * ROWS * C::PSTRIDE;
 
+  TQ_MMA_MARK(1); // indices
+
+  // ---- every global load of the set-up first, so that their latencies overlap: the
+  // lane's centroids (lanes past a codebook repeat it), its quarter of each query row
+  // (D/2 bytes in 16-byte loads: the host makes the rows contiguous and 16-byte aligned;
+  // element loads, 32 lanes on 8 rows, cost a wavefront each and took most of the set-up)
+  // and the first copies of the keys.
+  const float k_mine = k_cent[lane & ((1 << KB) - 1)];
+  const float v_mine = v_cent[lane & ((1 << VB) - 1)];
+  uint4 q_raw[NRB][D / 32];
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+    const int rr = min(row0 + nb * 8 + g, p.rows - 1);
+    const int qh = kvh * p.gqa + rr / p.q_len;
+    const int ql = rr % p.q_len;
+    const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2] + cc * (D / 4);
+    const uint4* qrow = reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(q) + base);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      q_raw[nb][i] = __ldg(qrow + i);
+    }
+  }
+  // this block's keys (split `split`) and, staged, their first copies
+  TQMmaCache c;
+  constexpr bool k_words = C::KBITS % 32 == 0, v_words = C::VBITS % 32 == 0;
+  c.kc = reinterpret_cast<const unsigned char*>(k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1]);
+  c.ks = reinterpret_cast<const unsigned char*>(k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1]);
+  c.vc = reinterpret_cast<const unsigned char*>(v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1]);
+  c.vs = reinterpret_cast<const unsigned char*>(v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1]);
+  c.kc_lane = k_words ? uint32_t(cc * C::KW * 4) : 0u;
+  c.vc_lane = v_words ? uint32_t(g * C::VW * 4) : 0u;
+  c.kj = k_words ? 0 : cc;
+  c.vj = v_words ? 0 : g;
+  const int t_begin = split * p.split_len;
+  const int t_end = min(p.kv_len, t_begin + p.split_len);
+  int t0 = t_begin + warp * C::TILE;
+  [[maybe_unused]] const int t_first = t0;
+  // This warp's ring (staged shapes): in the gap below the tables while it has room,
+  // else after the P tiles (see TQMmaConfig::LOOP_SMEM).
+  const int in_gap = C::STAGED ? min(C::WARPS, int(tab_off) / max(C::RING, 1)) : 0;
+  const uint32_t ring_off = warp < in_gap
+      ? uint32_t(warp * C::RING)
+      : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
+  [[maybe_unused]] const uint32_t ring = smem_addr + ring_off;
+  [[maybe_unused]] const unsigned char* ring_ptr = tq_mma_smem + ring_off;
+  // the split's scales start this many bytes past a 16-byte boundary (every
+  // iteration's too: STEP is a multiple of 8 tokens)
+  [[maybe_unused]] const uint32_t sc_k = uint32_t(reinterpret_cast<uintptr_t>(c.ks + 2 * t0) & 15u);
+  [[maybe_unused]] const uint32_t sc_v = uint32_t(reinterpret_cast<uintptr_t>(c.vs + 2 * t0) & 15u);
+  // (a placeholder for the shapes that load into registers)
+  const std::conditional_t<C::STAGED, TQMmaStageLane<D, KB, VB, NRB>, int> sl(lane);
+  if constexpr (C::STAGED) {
+    // the overlap variant keeps STAGES iterations in flight ahead of the loop, the
+    // plain loop STAGES - 1 (it issues the next one at the top of each iteration)
+#pragma unroll
+    for (int i = 0; i < (C::PIPELINED ? C::STAGES : C::STAGES - 1); ++i) {
+      tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl,
+          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
+    }
+  }
+
+  TQ_MMA_MARK(2); // first copies issued
   // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
-  // per lane.
-  for (int i = threadIdx.x; i < (1 << (2 * KB)) * 32; i += C::THREADS) {
-    const int e = i >> 5, l = i & 31;
-    *reinterpret_cast<uint32_t*>(tabs + e * C::KSTRIDE + 4 * l) =
-        tq_pack_half2(k_cent[e & ((1 << KB) - 1)], k_cent[e >> KB]);
-  }
-  for (int i = threadIdx.x; i < (1 << (2 * VB)) * 32; i += C::THREADS) {
-    const int e = i >> 5, l = i & 31;
-    *reinterpret_cast<uint32_t*>(tabs + C::VOFF + e * C::VSTRIDE + 4 * l) =
-        tq_pack_half2(v_cent[e & ((1 << VB) - 1)], v_cent[e >> VB]);
-  }
+  // per lane, gathered from the lanes' centroids by shuffles; a warp writes four entries
+  // per 16-byte store, eight lanes per entry.
+  tq_mma_pair_table<KB, C::KSTRIDE>(tabs, k_mine, warp, lane, C::WARPS);
+  TQ_MMA_MARK(3); // key table
+  tq_mma_pair_table<VB, C::VSTRIDE>(tabs + C::VOFF, v_mine, warp, lane, C::WARPS);
+  TQ_MMA_MARK(4); // value table
 
   // ---- query fragments: row nb*8 + g, permuted dims (see the file comment), scaled by
   // scale * log2(e) and, against float16 overflow, by 2^-qexp (restored on the scores).
@@ -876,17 +992,23 @@ tq_attention_mma_kernel(
 #pragma unroll
   for (int nb = 0; nb < NRB; ++nb) {
     const int r = nb * 8 + g;
-    const int rr = min(row0 + r, p.rows - 1);
-    const int qh = kvh * p.gqa + rr / p.q_len;
-    const int ql = rr % p.q_len;
-    const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2];
 #pragma unroll
-    for (int kb = 0; kb < KBLK; ++kb) {
+    for (int i = 0; i < D / 32; ++i) { // 8 elements: k-blocks 2i and 2i + 1
+      const uint4 w = q_raw[nb][i];
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t at = base + cc * (D / 4) + 4 * kb + e;
-        qv[nb][kb][e] = q_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(q)[at])
-                               : __half2float(reinterpret_cast<const __half*>(q)[at]);
+      for (int h = 0; h < 4; ++h) { // elements 2h, 2h + 1 of the eight
+        float lo, hi;
+        if (q_bf16) {
+          lo = __uint_as_float(u[h] << 16);
+          hi = __uint_as_float(u[h] & 0xffff0000u);
+        } else {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[h]));
+          lo = f.x;
+          hi = f.y;
+        }
+        qv[nb][2 * i + h / 2][2 * (h % 2)] = lo;
+        qv[nb][2 * i + h / 2][2 * (h % 2) + 1] = hi;
       }
     }
     // q in model space: R q, the 4 lanes of a row holding its quarters (uniform).
@@ -903,6 +1025,7 @@ tq_attention_mma_kernel(
       }
     }
   }
+  TQ_MMA_MARK(5); // queries loaded
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     if (p.causal && r < nr) {
@@ -929,16 +1052,6 @@ tq_attention_mma_kernel(
     }
   }
 
-  TQMmaCache c;
-  constexpr bool k_words = C::KBITS % 32 == 0, v_words = C::VBITS % 32 == 0;
-  c.kc = reinterpret_cast<const unsigned char*>(k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1]);
-  c.ks = reinterpret_cast<const unsigned char*>(k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1]);
-  c.vc = reinterpret_cast<const unsigned char*>(v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1]);
-  c.vs = reinterpret_cast<const unsigned char*>(v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1]);
-  c.kc_lane = k_words ? uint32_t(cc * C::KW * 4) : 0u;
-  c.vc_lane = v_words ? uint32_t(g * C::VW * 4) : 0u;
-  c.kj = k_words ? 0 : cc;
-  c.vj = v_words ? 0 : g;
 
   TQMmaAcc<D, NRB> acc;
 #pragma unroll
@@ -954,12 +1067,9 @@ tq_attention_mma_kernel(
     }
   }
 
-  const int t_begin = split * p.split_len;
-  const int t_end = min(p.kv_len, t_begin + p.split_len);
+  TQ_MMA_MARK(6); // query fragments ready
   const int t_fast = min(t_end, lim_min + 1);
   const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
-  int t0 = t_begin + warp * C::TILE;
-  [[maybe_unused]] const int t_first = t0;
 #if TQ_MMA_PROBE == 2
   uint32_t sink = 0;
 #endif
@@ -982,29 +1092,11 @@ tq_attention_mma_kernel(
     }
   };
   if constexpr (C::STAGED) {
-    // This warp's ring: in the gap below the tables while it has room, else after the
-    // P tiles (see TQMmaConfig::LOOP_SMEM).
-    const int in_gap = min(C::WARPS, int(tab_off) / C::RING);
-    const uint32_t ring_off = warp < in_gap
-        ? uint32_t(warp * C::RING)
-        : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
-    const uint32_t ring = smem_addr + ring_off;
-    const unsigned char* ring_ptr = tq_mma_smem + ring_off;
-    // the split's scales start this many bytes past a 16-byte boundary (every
-    // iteration's too: STEP is a multiple of 8 tokens)
-    const uint32_t sc_k = uint32_t(reinterpret_cast<uintptr_t>(c.ks + 2 * t0) & 15u);
-    const uint32_t sc_v = uint32_t(reinterpret_cast<uintptr_t>(c.vs + 2 * t0) & 15u);
-    const TQMmaStageLane<D, KB, VB, NRB> sl(lane);
     if constexpr (C::PIPELINED) {
       // Tile i's values go with tile i+1's scores, two independent chains of lookups
       // and mma in one block of code: tile i+1's keys and scales, read from the stage
       // while tile i's value codes and weights wait in registers. The ring holds tiles
       // i+1 .. i+STAGES; tile i's stage is refilled once tile i+1 is read.
-#pragma unroll
-      for (int i = 0; i < C::STAGES; ++i) {
-        tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl, t0 + i * C::STEP, t_end,
-                                          lane, sc_k, sc_v);
-      }
       __syncthreads(); // tables ready
       if (t0 < t_end) { // uniform within a warp
         tq_cp_async_wait<C::STAGES - 1>();
@@ -1066,12 +1158,8 @@ tq_attention_mma_kernel(
     } else {
       // Each iteration refills the stage read last, then waits for its own (issued
       // STAGES - 1 iterations before) and runs its phases one after another.
-#pragma unroll
-      for (int i = 0; i < C::STAGES - 1; ++i) {
-        tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl,
-            TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
-      }
       __syncthreads(); // tables ready
+      TQ_MMA_MARK(7);
       int cur = 0; // stage of iteration t0
       for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
         __syncwarp(); // every lane is done with the stage refilled next
@@ -1106,6 +1194,7 @@ tq_attention_mma_kernel(
       tq_mma_load<D, KB, VB, NRB>(tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
     }
   }
+  TQ_MMA_MARK(8); // this warp's keys done
 #if TQ_MMA_PROBE == 2
   if (sink == 0x9e3779b9u) {
     acc.l[0][0] += 1.0f; // keeps the loads
@@ -1125,61 +1214,150 @@ tq_attention_mma_kernel(
     }
   }
 
-  // ---- merge the warps through shared memory: per warp m[ROWS], l[ROWS], o[ROWS][D]
-  __syncthreads(); // every warp is done with the tables
-  float* red = reinterpret_cast<float*>(tq_mma_smem);
-  float* wm = red + warp * ROWS * (D + 2);
-  float* wl = wm + ROWS;
-  float* wo = wl + ROWS;
+  // ---- merge the warps through shared memory. The warps exchange their rows' maxima
+  // and sums first, so that each rescales its own accumulators to the block's maximum;
+  // then each stores them as they lie in its registers (per (nb, e, mb) one float2 per
+  // lane, lane after lane: conflict-free; row-major stores were 16-way bank conflicts),
+  // and each thread sums one element pair of a row over the warps and writes it.
+  __syncthreads(); // every warp is done with the tables and its ring
+  TQ_MMA_MARK(9); // every warp's keys done
+  float* red_o = reinterpret_cast<float*>(tq_mma_smem); // [WARPS][MERGE_SLOTS]
+  float* red_m = red_o + C::WARPS * C::MERGE_SLOTS; // [WARPS][ROWS] maxima
+  float* red_l = red_m + C::WARPS * ROWS; // [WARPS][ROWS] sums
+  float* red_ml = red_l + C::WARPS * ROWS; // [ROWS][2] the block's maxima and sums
+#pragma unroll
+  for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (g == 0) {
+        red_m[warp * ROWS + nb * 8 + 2 * cc + e] = acc.m[nb][e];
+        red_l[warp * ROWS + nb * 8 + 2 * cc + e] = acc.l[nb][e];
+      }
+    }
+  }
+  __syncthreads();
 #pragma unroll
   for (int nb = 0; nb < NRB; ++nb) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int row = nb * 8 + 2 * cc + e;
-      if (g == 0) {
-        wm[row] = acc.m[nb][e];
-        wl[row] = acc.l[nb][e];
+      float mm = tq_neg_inf();
+#pragma unroll
+      for (int w = 0; w < C::WARPS; ++w) {
+        mm = fmaxf(mm, red_m[w * ROWS + row]);
+      }
+      // a warp that saw no key of the row weighs nothing (and so does a row none saw)
+      const float f = acc.m[nb][e] == tq_neg_inf() ? 0.0f : tq_ex2(acc.m[nb][e] - mm);
+      if (warp == 0 && g == 0) { // the row's sum, once
+        float ll = 0.0f;
+#pragma unroll
+        for (int w = 0; w < C::WARPS; ++w) {
+          const float mw = red_m[w * ROWS + row];
+          ll += mw == tq_neg_inf() ? 0.0f : red_l[w * ROWS + row] * tq_ex2(mw - mm);
+        }
+        red_ml[2 * row] = mm;
+        red_ml[2 * row + 1] = ll;
       }
 #pragma unroll
       for (int mb = 0; mb < KBLK; ++mb) {
-        wo[row * D + g * (D / 8) + 2 * mb] = acc.o[nb][mb][e];
-        wo[row * D + g * (D / 8) + 2 * mb + 1] = acc.o[nb][mb][e + 2];
+        *reinterpret_cast<float2*>(red_o + warp * C::MERGE_SLOTS + C::merge_slot(nb, e, mb, lane)) =
+            make_float2(acc.o[nb][mb][e] * f, acc.o[nb][mb][e + 2] * f);
       }
     }
   }
   __syncthreads();
+  TQ_MMA_MARK(10); // warps' partials in shared memory
 
   const bool single = p.partials == 0;
-  for (int i = threadIdx.x; i < nr * D; i += C::THREADS) {
-    const int r = i / D, d = i % D;
-    float mm = tq_neg_inf();
+  for (int i = threadIdx.x; i < nr * (D / 2); i += C::THREADS) {
+    // element pair (d, d + 1) of row r: lane 4 * (d / (D/8)) + (r % 8) / 2's float2 of
+    // m-block (d % (D/8)) / 2
+    const int r = i / (D / 2), d = 2 * (i % (D / 2));
+    const int ln = 4 * (d / (D / 8)) + (r % 8) / 2;
+    const int at = C::merge_slot(r / 8, r % 2, (d % (D / 8)) / 2, ln);
+    float2 o = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int w = 0; w < C::WARPS; ++w) {
-      mm = fmaxf(mm, red[w * ROWS * (D + 2) + r]);
+      const float2 x = *reinterpret_cast<const float2*>(red_o + w * C::MERGE_SLOTS + at);
+      o.x += x.x;
+      o.y += x.y;
     }
-    float ll = 0.0f, o = 0.0f;
-    if (mm != tq_neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < C::WARPS; ++w) {
-        const float* rw = red + w * ROWS * (D + 2);
-        const float f = rw[r] == tq_neg_inf() ? 0.0f : exp2f(rw[r] - mm);
-        ll += rw[ROWS + r] * f;
-        o += rw[2 * ROWS + r * D + d] * f;
-      }
-    }
+    const float mm = red_ml[2 * r], ll = red_ml[2 * r + 1];
     const int rr = row0 + r;
     const int orow = (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
     const int64_t prow = int64_t(orow) * p.n_splits + split;
     if (single) {
-      out[int64_t(orow) * D + d] = ll > 0.0f ? o / ll : 0.0f;
+      const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
+      *reinterpret_cast<float2*>(out + int64_t(orow) * D + d) = make_float2(o.x * inv, o.y * inv);
       if (d == 0) {
         lse[orow] = ll > 0.0f ? (mm + log2f(ll)) * 0.6931471805599453f : tq_neg_inf();
       }
     } else {
-      o_part[prow * D + d] = o;
+      *reinterpret_cast<float2*>(o_part + prow * D + d) = o;
       if (d == 0) {
         ml_part[prow * 2] = mm;
         ml_part[prow * 2 + 1] = ll;
+      }
+    }
+  }
+#if TQ_MMA_PROBE == 3
+  TQ_MMA_MARK(11); // results written
+  if (threadIdx.x == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned long long gt1 = tq_globaltimer();
+    printf("TQT %d %d %d %u %llu %llu %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           chunk, split, int(blockIdx.z), sm, tq_gt0, gt1, tq_cy[1] - tq_cy[0], tq_cy[2] - tq_cy[0],
+           tq_cy[3] - tq_cy[0], tq_cy[4] - tq_cy[0], tq_cy[5] - tq_cy[0], tq_cy[6] - tq_cy[0],
+           tq_cy[7] - tq_cy[0], tq_cy[8] - tq_cy[0], tq_cy[9] - tq_cy[0], tq_cy[10] - tq_cy[0],
+           tq_cy[11] - tq_cy[0]);
+  }
+#endif
+
+  // ---- fused split-K merge (merge_count != nullptr, uniform): every block counts its
+  // arrival at its (batch, KV head, row chunk) slot once its partials are out; the last
+  // one resets the slot for the next launch that uses it and merges all the splits
+  // (tq_attention_merge_impl, the separate merge kernel's code), which takes the merge
+  // kernel's launch off each call.
+  if constexpr (C::FUSED_MERGE) {
+    if (merge_count != nullptr) {
+      __threadfence(); // this thread's partials are visible device-wide
+      __syncthreads();
+      int* last = reinterpret_cast<int*>(tq_mma_smem); // (the merge above is done with it)
+      if (threadIdx.x == 0) {
+        unsigned int* slot = merge_count + blockIdx.z * gridDim.x + blockIdx.x;
+        const bool is_last = atomicAdd(slot, 1u) == unsigned(p.n_splits - 1);
+        if (is_last) {
+          *slot = 0u;
+        }
+        *last = is_last ? 1 : 0;
+      }
+      __syncthreads();
+      if (*last == 0) {
+        return;
+      }
+      __threadfence(); // the other blocks' partials, read with tq_load_partial
+      const int group = threadIdx.x / TQ_MERGE_THREADS;
+      float* gsmem = reinterpret_cast<float*>(tq_mma_smem) + group * TQ_MERGE_SMEM;
+      for (int r0 = 0; r0 < nr; r0 += C::MERGE_GROUPS) { // uniform: every group takes part
+        __syncthreads(); // the last word read, or the previous rows' merge done
+        const int rr = row0 + min(r0 + group, nr - 1); // (a repeated row writes the same)
+        TQThread th;
+        th.tg_x = (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
+        th.tg_y = th.tg_z = 0;
+        th.tid = threadIdx.x % TQ_MERGE_THREADS;
+        th.lane = lane;
+        th.simd = th.tid / 32;
+        if (q_bf16) {
+          tq_attention_merge_impl<unsigned short, D, true>( // (bfloat16 bits, as the merge kernel)
+              o_part, ml_part, static_cast<const unsigned short*>(q),
+              static_cast<const unsigned short*>(tail_k), static_cast<const unsigned short*>(tail_v),
+              key_mean, value_mean, out, lse, mp, gsmem, th);
+        } else {
+          tq_attention_merge_impl<__half, D, true>(
+              o_part, ml_part, static_cast<const __half*>(q), static_cast<const __half*>(tail_k),
+              static_cast<const __half*>(tail_v), key_mean, value_mean, out, lse, mp, gsmem, th);
+        }
       }
     }
   }
@@ -1198,15 +1376,16 @@ struct TQMmaShape {
   int threads; // per block
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
   bool staged; // copies codes by 16-byte cp.async: each head's rows 16-byte aligned
+  bool fused_merge; // can merge the splits itself (given the arrival counters)
 };
 
 inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
-  TQMmaShape s{0, 0, 0, 0, false};
+  TQMmaShape s{0, 0, 0, 0, false, false};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
     typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
                         decltype(nn)::value>
         C;
-    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED};
+    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED, C::FUSED_MERGE};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
     if (nrb == 1) {

@@ -101,6 +101,40 @@ int max_block_smem(int device) {
       cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "shared memory per block");
 }
 
+/// `n` consecutive arrival counters of the tensor-core kernel's fused merge, all zero:
+/// the next slots of a ring per device, zeroed once when it is created. The last block
+/// of each unit sets its counter back to zero, so a slot is zero again once the launch
+/// that used it is done; it is handed out again RING / n launches later. Launches run in
+/// stream order, graph by graph (MLX commits a CUDA graph every 20-100 ops), so far
+/// fewer than that many can be in flight at once. nullptr (the caller launches the merge
+/// kernel instead) for more than RING / 256 units or when the ring cannot be allocated.
+unsigned int* merge_counters(int device, int n) {
+  constexpr int RING = 1 << 20;
+  static std::mutex mu;
+  static std::unordered_map<int, std::pair<unsigned int*, int>> rings; // base, next slot
+  if (n > RING / 256) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  auto& r = rings[device];
+  if (r.first == nullptr) {
+    void* base = nullptr;
+    if (cudaMalloc(&base, RING * sizeof(unsigned int)) != cudaSuccess) {
+      cudaGetLastError(); // (clears the error: the merge kernel runs instead)
+      return nullptr;
+    }
+    check(cudaMemset(base, 0, RING * sizeof(unsigned int)), "cudaMemset");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); // zero before any launch reads it
+    r = {static_cast<unsigned int*>(base), 0};
+  }
+  if (r.second + n > RING) {
+    r.second = 0;
+  }
+  unsigned int* slots = r.first + r.second;
+  r.second += n;
+  return slots;
+}
+
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v && *v) ? std::atoi(v) : fallback;
@@ -229,6 +263,19 @@ mx::array last_axis_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) 
     return a;
   }
   return temporary_copy(a, enc);
+}
+
+/// `a` itself when its rows (last axis) are contiguous and each starts at a multiple of
+/// `bytes` bytes, else a row-contiguous copy (a temporary of this launch).
+mx::array aligned_rows(const mx::array& a, int bytes, mx::cu::CommandEncoder& enc) {
+  const int nd = a.ndim();
+  bool ok = a.strides()[nd - 1] == 1 &&
+      reinterpret_cast<uintptr_t>(mx::gpu_ptr<void>(a)) % bytes == 0 &&
+      int64_t(a.shape(nd - 1)) * a.itemsize() % bytes == 0;
+  for (int ax = 0; ax < nd - 1; ++ax) {
+    ok = ok && (a.shape(ax) == 1 || int64_t(a.strides()[ax]) * a.itemsize() % bytes == 0);
+  }
+  return ok ? a : temporary_copy(a, enc);
 }
 
 /// `a` itself when row-contiguous, else a row-contiguous copy.
@@ -465,6 +512,8 @@ void attention(
   const int v_slice = msh.staged ? 128 : mma_sym != nullptr ? D / 8 * vb : sh.DL * vb;
   // The tensor-core kernel addresses tokens as dense rows with 32-bit byte offsets.
   const bool dense = mma_sym != nullptr;
+  // The tensor-core kernel reads each query row's quarters with 16-byte loads.
+  const mx::array qk = mma_sym != nullptr ? aligned_rows(q, 16, enc) : q;
   const mx::array kc = readable_codes(inputs[1], k_slice, dense, enc);
   const mx::array vc = readable_codes(inputs[3], v_slice, dense, enc);
   const mx::array ks = dense ? readable_codes(inputs[2], 0, true, enc) : inputs[2];
@@ -475,7 +524,7 @@ void attention(
 
   TQAttnParams p{};
   for (int a = 0; a < 3; ++a) {
-    p.q_stride[a] = q.strides()[a];
+    p.q_stride[a] = qk.strides()[a];
     p.kc_stride[a] = kc.strides()[a];
     p.ks_stride[a] = ks.strides()[a];
     p.vc_stride[a] = vc.strides()[a];
@@ -557,6 +606,10 @@ void attention(
   const int rows_total = B * Hq * L;
   mx::array o_part({1}, mx::float32, nullptr, {});
   mx::array ml_part({1}, mx::float32, nullptr, {});
+  // The merge's inputs besides the partials: the tail (q's dtype, see ops.cpp) and the
+  // means, as it reads them.
+  std::vector<mx::array> tail, means;
+  TQMergeParams mp{};
   if (partials) {
     o_part = mx::array({rows_total, splits, D}, mx::float32, nullptr, {});
     ml_part = mx::array({rows_total, splits, 2}, mx::float32, nullptr, {});
@@ -564,9 +617,32 @@ void attention(
     allocate(ml_part, enc);
     enc.add_temporary(o_part);
     enc.add_temporary(ml_part);
+    if (ap.has_tail) {
+      tail = {last_axis_contiguous(inputs[ap.tail_input()], enc),
+              last_axis_contiguous(inputs[ap.tail_input() + 1], enc)};
+    }
+    if (ap.centered) {
+      means = {row_contiguous(inputs[ap.mean_input()], enc),
+               row_contiguous(inputs[ap.mean_input() + 1], enc)};
+    }
+    mp = merge_params(qk, ap, tail, means, Hkv, splits);
+  }
+  const void* tkp = ap.has_tail ? mx::gpu_ptr<void>(tail[0]) : nullptr;
+  const void* tvp = ap.has_tail ? mx::gpu_ptr<void>(tail[1]) : nullptr;
+  const float* kmp = ap.centered ? cptr<float>(means[0]) : nullptr;
+  const float* vmp = ap.centered ? cptr<float>(means[1]) : nullptr;
+  // TURBOQUANT_FUSED_MERGE=1: the tensor-core kernel with 4-bit keys merges the splits
+  // itself (the last block per unit) instead of the merge kernel launched after it. Off:
+  // H200, d128 K4V4, Nsight Compute device time of the call at 4k / 128k / 256k keys,
+  // 15.6 / 53.0 / 93.2 µs fused against 11.7 / 50.1 / 90.1 with the merge kernel (the
+  // last block's merge, its fences and the arrival atomics sit on the critical path).
+  unsigned int* merge_count = nullptr;
+  if (partials && msh.fused_merge && splits <= TQ_MERGE_COMPACT_SPLITS &&
+      env_int("TURBOQUANT_FUSED_MERGE", 0) != 0) {
+    merge_count = merge_counters(enc.device().cuda_device(), B * Hkv * n_chunks);
   }
 
-  enc.set_input_array(q);
+  enc.set_input_array(qk);
   enc.set_input_array(kc);
   enc.set_input_array(ks);
   enc.set_input_array(vc);
@@ -583,11 +659,18 @@ void attention(
     enc.set_output_array(ml_part);
     op = mptr<float>(o_part);
     mlp = mptr<float>(ml_part);
-  } else {
+  }
+  if (!partials || merge_count != nullptr) {
+    for (const auto& a : tail) {
+      enc.set_input_array(a);
+    }
+    for (const auto& a : means) {
+      enc.set_input_array(a);
+    }
     enc.set_output_array(out);
     enc.set_output_array(lse);
   }
-  const void* qp = mx::gpu_ptr<void>(q);
+  const void* qp = mx::gpu_ptr<void>(qk);
   const unsigned int* kcp = cptr<unsigned int>(kc);
   const void* ksp = mx::gpu_ptr<void>(ks);
   const unsigned int* vcp = cptr<unsigned int>(vc);
@@ -602,39 +685,25 @@ void attention(
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
     enc.add_kernel_node_ex(
         f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
-        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16);
+        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, merge_count, tkp,
+        tvp, kmp, vmp, mp);
   } else {
     enc.add_kernel_node_ex(
         f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
         mask_ptr, outp, lsep, op, mlp, p);
   }
 
-  if (partials) {
+  if (partials && merge_count == nullptr) {
     const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    // The tail (q's dtype, see ops.cpp) and the means, as the merge reads them.
-    std::vector<mx::array> tail, means;
-    if (ap.has_tail) {
-      tail = {last_axis_contiguous(inputs[ap.tail_input()], enc),
-              last_axis_contiguous(inputs[ap.tail_input() + 1], enc)};
-    }
-    if (ap.centered) {
-      means = {row_contiguous(inputs[ap.mean_input()], enc),
-               row_contiguous(inputs[ap.mean_input() + 1], enc)};
-    }
-    TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
     for (const auto& a : tail) {
       enc.set_input_array(a);
     }
     for (const auto& a : means) {
       enc.set_input_array(a);
     }
-    const void* tkp = ap.has_tail ? mx::gpu_ptr<void>(tail[0]) : nullptr;
-    const void* tvp = ap.has_tail ? mx::gpu_ptr<void>(tail[1]) : nullptr;
-    const float* kmp = ap.centered ? cptr<float>(means[0]) : nullptr;
-    const float* vmp = ap.centered ? cptr<float>(means[1]) : nullptr;
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
     enc.set_output_array(out);
