@@ -1319,6 +1319,7 @@ tq_attention_mma_kernel(
   // one resets the slot for the next launch that uses it and merges all the splits
   // (tq_attention_merge_impl, the separate merge kernel's code), which takes the merge
   // kernel's launch off each call.
+#if __CUDA_ARCH__ >= 900 // (sm_80 code spills with it; the host checks which code runs)
   if constexpr (C::FUSED_MERGE) {
     if (merge_count != nullptr) {
       __threadfence(); // this thread's partials are visible device-wide
@@ -1361,6 +1362,7 @@ tq_attention_mma_kernel(
       }
     }
   }
+#endif
 }
 
 // Host-side lookup (attention_mma_d*.cu): the kernel's address for (kb, vb, nrb), or

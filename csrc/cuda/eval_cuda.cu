@@ -135,6 +135,22 @@ unsigned int* merge_counters(int device, int n) {
   return slots;
 }
 
+/// The architecture (e.g. 90) of the machine code that runs for one of this module's
+/// kernels, once per kernel: the fused merge is compiled into the sm_90 code only.
+int kernel_binary_arch(const void* symbol) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(symbol);
+  if (it != cache.end()) {
+    return it->second;
+  }
+  cudaFuncAttributes attr{};
+  check(cudaFuncGetAttributes(&attr, symbol), "cudaFuncGetAttributes");
+  cache.emplace(symbol, attr.binaryVersion);
+  return attr.binaryVersion;
+}
+
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return (v && *v) ? std::atoi(v) : fallback;
@@ -638,7 +654,7 @@ void attention(
   // last block's merge, its fences and the arrival atomics sit on the critical path).
   unsigned int* merge_count = nullptr;
   if (partials && msh.fused_merge && splits <= TQ_MERGE_COMPACT_SPLITS &&
-      env_int("TURBOQUANT_FUSED_MERGE", 0) != 0) {
+      env_int("TURBOQUANT_FUSED_MERGE", 0) != 0 && kernel_binary_arch(mma_sym) >= 90) {
     merge_count = merge_counters(enc.device().cuda_device(), B * Hkv * n_chunks);
   }
 
