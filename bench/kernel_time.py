@@ -87,10 +87,10 @@ def run_one(a):
     _profiler(False)
 
 
-def ncu_call_time(args, calls):
+def ncu_call_time(args, calls, cache_control="all"):
     """(µs per call, {kernel: µs per call}) of one `--one` configuration under ncu."""
     cmd = [
-        "ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all",
+        "ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache_control,
         "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
         sys.executable, os.path.abspath(__file__), "--calls", str(calls), *args,
     ]
@@ -125,7 +125,8 @@ def driver(a):
         shapes += [(16, 4, 256), (16, 2, 256)]
     for hq, hkv, d in shapes:
         shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
-        print(f"\n### Device time per call (ncu), B=1, {hq}q/{hkv}kv d{d}, one query token\n")
+        l2 = "L2 flushed before each kernel" if a.cache_control == "all" else "L2 not flushed"
+        print(f"\n### Device time per call (ncu, {l2}), B=1, {hq}q/{hkv}kv d{d}, one query token\n")
         head = "| context | fp16 SDPA µs |" + "".join(
             f" K{kb}V{vb} µs | × fp16 | % BW |" for kb, vb in pairs)
         print(head)
@@ -135,7 +136,7 @@ def driver(a):
                 t_sdpa, parts_sdpa = math.nan, {}
             else:
                 t_sdpa, parts_sdpa = ncu_call_time(
-                    ["--one", "sdpa", "--context", str(n), *shape], a.calls)
+                    ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control)
             line = f"| {n // 1024}k | {t_sdpa:.1f} |"
             details = [f"sdpa {parts_sdpa}"]
             for kb, vb in pairs:
@@ -143,7 +144,7 @@ def driver(a):
                     ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
                      "--tail", str(a.tail), *shape]
                     + (["--op-rotation"] if a.op_rotation else [])
-                    + (["--centered"] if a.centered else []), a.calls)
+                    + (["--centered"] if a.centered else []), a.calls, a.cache_control)
                 nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
                 pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%"
                 line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
@@ -173,6 +174,11 @@ def main():
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
     p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")
     p.add_argument("--no-sdpa", action="store_true", help="skip fp16 SDPA (ratios print nan)")
+    p.add_argument("--cache-control", choices=("all", "none"), default="all",
+                   help="ncu's --cache-control: all = L2 flushed before every kernel (the "
+                        "default: each kernel reads everything from device memory, also the "
+                        "query and the split-K partials), none = caches left as the previous "
+                        "kernel left them")
     a = p.parse_args()
     if a.one:
         run_one(a)
