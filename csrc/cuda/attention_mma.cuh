@@ -1268,6 +1268,10 @@ tq_attention_mma_kernel(
   __syncthreads();
   TQ_MMA_MARK(10); // warps' partials in shared memory
 
+  // row rr of this KV head's query rows: its row of out / lse (and of the merge's grid)
+  auto out_row = [&](int rr) {
+    return (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
+  };
   const bool single = p.partials == 0;
   for (int i = threadIdx.x; i < nr * (D / 2); i += C::THREADS) {
     // element pair (d, d + 1) of row r: lane 4 * (d / (D/8)) + (r % 8) / 2's float2 of
@@ -1284,7 +1288,7 @@ tq_attention_mma_kernel(
     }
     const float mm = red_ml[2 * r], ll = red_ml[2 * r + 1];
     const int rr = row0 + r;
-    const int orow = (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
+    const int orow = out_row(rr);
     const int64_t prow = int64_t(orow) * p.n_splits + split;
     if (single) {
       const float inv = ll > 0.0f ? 1.0f / ll : 0.0f;
@@ -1344,7 +1348,7 @@ tq_attention_mma_kernel(
         __syncthreads(); // the last word read, or the previous rows' merge done
         const int rr = row0 + min(r0 + group, nr - 1); // (a repeated row writes the same)
         TQThread th;
-        th.tg_x = (b * p.q_heads + kvh * p.gqa + rr / p.q_len) * p.q_len + rr % p.q_len;
+        th.tg_x = out_row(rr);
         th.tg_y = th.tg_z = 0;
         th.tid = threadIdx.x % TQ_MERGE_THREADS;
         th.lane = lane;
