@@ -387,26 +387,39 @@ struct TQMmaStageLane {
   static constexpr int KR = C::TILE * KCH / 32, VR = C::TILE * VCH / 32; // chunks per lane
   static_assert(C::TILE * KCH % 32 == 0 && C::TILE * VCH % 32 == 0, "whole rounds of chunks");
   uint32_t vdst[VR]; // keys land at 16 * chunk: no table needed
+  // Lanes 0 .. 2 SCH - 1: scale chunk s of the keys (lanes 0..SCH-1) or values. The
+  // chunk of the iteration at t0 starts 2 t0 + soff bytes after sbase (the head's first
+  // key or value scale; sc_k / sc_v: bytes from an iteration's first scale down to the
+  // 16-byte boundary its chunks start at) and lands at sdst in a stage.
+  const unsigned char* sbase;
+  int soff;
+  uint32_t sdst;
 
-  __device__ __forceinline__ explicit TQMmaStageLane(int lane) {
+  __device__ __forceinline__ TQMmaStageLane(
+      int lane, const unsigned char* ks, const unsigned char* vs, uint32_t sc_k, uint32_t sc_v) {
 #pragma unroll
     for (int r = 0; r < VR; ++r) {
       const uint32_t j = uint32_t(lane + 32 * r), t = j / VCH, k = j % VCH;
       const uint32_t row = (t & ~15u) | tq_stage_vrow(t & 15u);
       vdst[r] = C::ST_V + row * C::VTOK + ((16u * k) ^ tq_stage_vswz<C::VTOK>(t & 15u));
     }
+    const bool values = lane >= C::SCH;
+    const int s = values ? lane - C::SCH : lane;
+    sbase = values ? vs : ks;
+    soff = 16 * s - int(values ? sc_v : sc_k);
+    sdst = (values ? C::ST_VS : C::ST_KS) + 16u * s;
+    asm volatile("" : "+l"(sbase), "+r"(soff), "+r"(sdst)); // (kept, not recomputed)
   }
 };
 
 /// Issues the cp.async copies of the warp iteration at t0 into the stage at shared
 /// address `stage` (layout: TQMmaConfig::ST_*), tokens from t_end on zero-filled, and
 /// commits them as one group (an empty group when t0 >= t_end, so that every iteration
-/// commits one). `sc_k` / `sc_v`: bytes from the iteration's first key / value scale
-/// down to the 16-byte boundary its scale chunks start at.
+/// commits one).
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_copy(
     uint32_t stage, const TQMmaCache& c, const TQMmaStageLane<D, KB, VB, NRB>& sl, int t0,
-    int t_end, int lane, uint32_t sc_k, uint32_t sc_v) {
+    int t_end, int lane) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   typedef TQMmaStageLane<D, KB, VB, NRB> SL;
   if (t0 < t_end) {
@@ -433,15 +446,10 @@ __device__ __forceinline__ void tq_mma_stage_copy(
         tq_cp_async16(stage + sl.vdst[r], in ? vc + 512 * r : c.vc, in ? 16u : 0u);
       }
     }
-    if (lane < 2 * C::SCH) {
-      // scale chunk s of the keys (lanes 0..SCH-1) or values, clipped to the split's end
-      const bool values = lane >= C::SCH;
-      const int s = values ? lane - C::SCH : lane;
-      const int off = 2 * t0 - int(values ? sc_v : sc_k) + 16 * s; // from the head's first scale
+    if (lane < 2 * C::SCH) { // a scale chunk, clipped to the split's end
+      const int off = 2 * t0 + sl.soff;
       const int n = min(16, max(0, 2 * t_end - off));
-      const unsigned char* base = values ? c.vs : c.ks;
-      tq_cp_async16(stage + (values ? C::ST_VS : C::ST_KS) + 16u * s, n > 0 ? base + off : base,
-                    uint32_t(n));
+      tq_cp_async16(stage + sl.sdst, n > 0 ? sl.sbase + off : sl.sbase, uint32_t(n));
     }
   }
   tq_cp_async_commit();
@@ -482,24 +490,30 @@ __device__ __forceinline__ void tq_mma_stage_read_keys(
 }
 
 /// This lane's value slices of tokens 2c, 2c+1, 2c+8, 2c+9 of tile m of a staged warp
-/// iteration (rows and swizzle as tq_mma_stage_copy put them).
+/// iteration (rows and swizzle as tq_mma_stage_copy put them). The four share one
+/// swizzle, and tokens 2c and 2c+1 sit in the two rows of a pair (which one is which
+/// depends on c only), so the addresses are one base, that base with the row bit
+/// flipped, and both 8 rows further: two registers and immediate offsets.
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_read_values(
     uint32_t (&v)[4][TQMmaConfig<D, KB, VB, NRB>::VW], const unsigned char* stage, int m, int g,
     int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   static_assert(C::VW == 1 || C::VW == 2, "staged value slices: 4 or 8 bytes");
+  static_assert((C::VTOK & (C::VTOK - 1)) == 0 && C::ST_V % (2 * C::VTOK) == 0,
+                "a row pair's rows differ in one address bit");
+  const uint32_t t0 = 2u * uint32_t(cc); // token 2c of the tile
+  const uint32_t a0 = C::ST_V + (16u * m + tq_stage_vrow(t0)) * C::VTOK +
+      ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(t0));
+  const uint32_t at[4] = {a0, a0 ^ C::VTOK, a0 + 8 * C::VTOK, (a0 ^ C::VTOK) + 8 * C::VTOK};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t tt = uint32_t(2 * cc + (j & 1) + 8 * (j >> 1)); // token in the tile
-    const uint32_t at = C::ST_V + (16u * m + tq_stage_vrow(tt)) * C::VTOK +
-        ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(tt));
     if constexpr (C::VW == 2) {
-      const uint2 w = *reinterpret_cast<const uint2*>(stage + at);
+      const uint2 w = *reinterpret_cast<const uint2*>(stage + at[j]);
       v[j][0] = w.x;
       v[j][1] = w.y;
     } else {
-      v[j][0] = *reinterpret_cast<const uint32_t*>(stage + at);
+      v[j][0] = *reinterpret_cast<const uint32_t*>(stage + at[j]);
     }
   }
 }
@@ -947,6 +961,8 @@ tq_attention_mma_kernel(
   c.vc_lane = v_words ? uint32_t(g * C::VW * 4) : 0u;
   c.kj = k_words ? 0 : cc;
   c.vj = v_words ? 0 : g;
+  // opaque to the compiler: kept in registers instead of recomputed from the parameters
+  asm volatile("" : "+l"(c.kc), "+l"(c.vc), "+l"(c.ks), "+l"(c.vs));
   const int t_begin = split * p.split_len;
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   int t0 = t_begin + warp * C::TILE;
@@ -954,9 +970,10 @@ tq_attention_mma_kernel(
   // This warp's ring (staged shapes): in the gap below the tables while it has room,
   // else after the P tiles (see TQMmaConfig::LOOP_SMEM).
   const int in_gap = C::STAGED ? min(C::WARPS, int(tab_off) / max(C::RING, 1)) : 0;
-  const uint32_t ring_off = warp < in_gap
+  uint32_t ring_off = warp < in_gap
       ? uint32_t(warp * C::RING)
       : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
+  asm volatile("" : "+r"(ring_off)); // (kept, not recomputed every iteration)
   [[maybe_unused]] const uint32_t ring = smem_addr + ring_off;
   [[maybe_unused]] const unsigned char* ring_ptr = tq_mma_smem + ring_off;
   // the split's scales start this many bytes past a 16-byte boundary (every
@@ -964,14 +981,20 @@ tq_attention_mma_kernel(
   [[maybe_unused]] const uint32_t sc_k = uint32_t(reinterpret_cast<uintptr_t>(c.ks + 2 * t0) & 15u);
   [[maybe_unused]] const uint32_t sc_v = uint32_t(reinterpret_cast<uintptr_t>(c.vs + 2 * t0) & 15u);
   // (a placeholder for the shapes that load into registers)
-  const std::conditional_t<C::STAGED, TQMmaStageLane<D, KB, VB, NRB>, int> sl(lane);
+  const std::conditional_t<C::STAGED, TQMmaStageLane<D, KB, VB, NRB>, int> sl = [&] {
+    if constexpr (C::STAGED) {
+      return TQMmaStageLane<D, KB, VB, NRB>(lane, c.ks, c.vs, sc_k, sc_v);
+    } else {
+      return 0;
+    }
+  }();
   if constexpr (C::STAGED) {
     // the overlap variant keeps STAGES iterations in flight ahead of the loop, the
     // plain loop STAGES - 1 (it issues the next one at the top of each iteration)
 #pragma unroll
     for (int i = 0; i < (C::PIPELINED ? C::STAGES : C::STAGES - 1); ++i) {
       tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl,
-          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane, sc_k, sc_v);
+          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane);
     }
   }
 
@@ -1130,7 +1153,7 @@ tq_attention_mma_kernel(
           }
           __syncwarp(); // every lane is done with tile i's stage
           tq_mma_stage_copy<D, KB, VB, NRB>(ring + cur * C::STAGE_BYTES, c, sl,
-                                            t0 + C::STAGES * C::STEP, t_end, lane, sc_k, sc_v);
+                                            t0 + C::STAGES * C::STEP, t_end, lane);
           cur = cur == C::STAGES - 1 ? 0 : cur + 1;
           tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of tile i+1 landed
           __syncwarp(); // and every lane's
@@ -1165,7 +1188,7 @@ tq_attention_mma_kernel(
         __syncwarp(); // every lane is done with the stage refilled next
         const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
         tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
-            TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane, sc_k, sc_v);
+            TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
         tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
         __syncwarp(); // and every lane's
         TQMmaTile<D, KB, VB, NRB> tl;
