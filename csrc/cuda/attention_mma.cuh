@@ -428,7 +428,9 @@ __device__ __forceinline__ void tq_mma_stage_copy(
   if (t0 < t_end) {
     const unsigned char* kc = c.kc + (uint32_t(t0) * C::KTOK + 16u * lane);
     const unsigned char* vc = c.vc + (uint32_t(t0) * C::VTOK + 16u * lane);
-    if (t0 + C::TILE <= t_end) {
+    // The scale chunks reach at most 8 SCH tokens past t0 (whole tile and beyond): if
+    // that is before the split's end, nothing is clipped (every tile but a split's last).
+    if (t0 + 8 * C::SCH <= t_end) {
 #pragma unroll
       for (int r = 0; r < SL::KR; ++r) {
         tq_cp_async16(stage + 16u * (lane + 32 * r), kc + 512 * r, 16u);
@@ -436,6 +438,9 @@ __device__ __forceinline__ void tq_mma_stage_copy(
 #pragma unroll
       for (int r = 0; r < SL::VR; ++r) {
         tq_cp_async16(stage + sl.vdst[r], vc + 512 * r, 16u);
+      }
+      if (lane < 2 * C::SCH) {
+        tq_cp_async16(stage + sl.sdst, sl.sbase + (2 * t0 + sl.soff), 16u);
       }
     } else {
 #pragma unroll
@@ -448,11 +453,11 @@ __device__ __forceinline__ void tq_mma_stage_copy(
         const bool in = t0 + (lane + 32 * r) / SL::VCH < t_end;
         tq_cp_async16(stage + sl.vdst[r], in ? vc + 512 * r : c.vc, in ? 16u : 0u);
       }
-    }
-    if (lane < 2 * C::SCH) { // a scale chunk, clipped to the split's end
-      const int off = 2 * t0 + sl.soff;
-      const int n = min(16, max(0, 2 * t_end - off));
-      tq_cp_async16(stage + sl.sdst, n > 0 ? sl.sbase + off : sl.sbase, uint32_t(n));
+      if (lane < 2 * C::SCH) { // a scale chunk, clipped to the split's end
+        const int off = 2 * t0 + sl.soff;
+        const int n = min(16, max(0, 2 * t_end - off));
+        tq_cp_async16(stage + sl.sdst, n > 0 ? sl.sbase + off : sl.sbase, uint32_t(n));
+      }
     }
   }
   tq_cp_async_commit();
