@@ -84,16 +84,6 @@
 // needs registers that 16 warps of 128 do not leave); both pass the GPU tests.
 #define TQ_MMA_PIPELINE 0
 #endif
-#ifndef TQ_MMA_PSTRIDE
-// float16 elements per row of a warp's P tile. 16 packs the rows, which makes the stores
-// (lanes whose c differs by 2: rows 4 apart) and the B-fragment loads (lanes whose g
-// differs by 4) 2-way bank conflicts, ~10% of the kernel's shared-memory wavefronts; 24
-// makes both conflict-free. H200, d128 K4V4, device time at 128k / 256k keys: staged
-// 51.9 / 88.4 µs against 52.1 / 89.5 with 16 (within run-to-run spread), register loads
-// no difference; a run with 24 had K3V3 3-4 µs slower than earlier runs with 16 (not
-// isolated). 16 stays the default.
-#define TQ_MMA_PSTRIDE 16
-#endif
 
 namespace turboquant_mlx::cuda_kernels {
 
@@ -138,9 +128,12 @@ struct TQMmaConfig {
   static constexpr int KTAB = (1 << (2 * KB)) * KSTRIDE;
   static constexpr int VOFF = VB == 4 ? 128 : KTAB; // value table offset
   static constexpr int VTAB = VB == 4 ? 0 : (1 << (2 * VB)) * VSTRIDE;
-  static constexpr int PSTRIDE = TQ_MMA_PSTRIDE; // halves per P-tile row (>= 16, even)
-  static_assert(PSTRIDE >= 16 && PSTRIDE % 2 == 0, "P-tile rows hold 16 tokens, 4-byte aligned");
-  static constexpr int PTILE = ROWS * PSTRIDE * 2;
+  // A warp's P tile: 16 tokens x ROWS float16 weights, token-major, so that a lane stores
+  // its two rows of a token as one word and ldmatrix.trans reads the B fragments;
+  // TSTRIDE halves per token (16 rows padded to 24: the stores and the ldmatrix rows
+  // spread over the banks; 8 rows are conflict-free packed).
+  static constexpr int TSTRIDE = ROWS == 8 ? 8 : ROWS + 8;
+  static constexpr int PTILE = 16 * TSTRIDE * 2;
   static constexpr int TAB_ALIGN = BYTE_ADDR ? 65536 : 16; // of the tables' shared address
   // cp.async staging (see tq_mma_stage_copy): each warp owns a ring of STAGES stages,
   // each one warp iteration of codes and scales. Tokens are copied as they lie (a dense
@@ -769,27 +762,29 @@ __device__ __forceinline__ void tq_mma_softmax(
 
 /// The weights of one 16-token tile (s: the score layout, tokens on g) as B fragments
 /// of the value mma (tokens on c), through the warp's P tile: pb[nb][0] tokens 2c, 2c+1,
-/// pb[nb][1] tokens 2c+8, 2c+9, of row nb*8 + g.
+/// pb[nb][1] tokens 2c+8, 2c+9, of row nb*8 + g. Each lane stores rows 2c, 2c+1 of
+/// tokens g and g+8 (a word each); one ldmatrix.trans per row block reads both
+/// fragments (lanes 0-15 address tokens 0-15).
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_p_fragments(
     uint32_t (&pb)[NRB][2], const float (&s)[NRB][4], __half* ptile, int g, int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
+  uint32_t* pw = reinterpret_cast<uint32_t*>(ptile);
   __syncwarp(); // the previous tile's fragments were read
 #pragma unroll
   for (int nb = 0; nb < NRB; ++nb) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = nb * 8 + 2 * cc + (i & 1);
-      const int tok = g + 8 * (i >> 1);
-      ptile[row * C::PSTRIDE + tok] = __float2half_rn(s[nb][i]);
-    }
+    pw[(g * C::TSTRIDE + nb * 8) / 2 + cc] = tq_pack_half2(s[nb][0], s[nb][1]);
+    pw[((g + 8) * C::TSTRIDE + nb * 8) / 2 + cc] = tq_pack_half2(s[nb][2], s[nb][3]);
   }
   __syncwarp();
+  const uint32_t row = uint32_t(__cvta_generic_to_shared(ptile)) +
+      2u * uint32_t(((4 * g + cc) & 15) * C::TSTRIDE);
 #pragma unroll
   for (int nb = 0; nb < NRB; ++nb) {
-    const uint32_t* pr = reinterpret_cast<const uint32_t*>(ptile + (nb * 8 + g) * C::PSTRIDE);
-    pb[nb][0] = pr[cc]; // tokens 2c, 2c+1
-    pb[nb][1] = pr[cc + 4]; // tokens 2c+8, 2c+9
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(pb[nb][0]), "=r"(pb[nb][1])
+                 : "r"(row + 16u * nb)
+                 : "memory");
   }
 }
 
@@ -934,7 +929,7 @@ tq_attention_mma_kernel(
   const uint32_t smem_addr = uint32_t(__cvta_generic_to_shared(tq_mma_smem));
   const uint32_t tab_off = (C::TAB_ALIGN - (smem_addr & (C::TAB_ALIGN - 1))) & (C::TAB_ALIGN - 1);
   unsigned char* tabs = tq_mma_smem + tab_off;
-  __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * ROWS * C::PSTRIDE;
+  __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * (C::PTILE / 2);
 
   TQ_MMA_MARK(1); // indices
 
