@@ -1183,21 +1183,27 @@ tq_attention_mma_kernel(
       }
     } else {
       // Each iteration refills the stage read last, then waits for its own (issued
-      // STAGES - 1 iterations before) and runs its phases one after another.
+      // STAGES - 1 iterations before) and runs its phases one after another. Unrolled
+      // over the ring, so that every stage address is a register plus an immediate.
       __syncthreads(); // tables ready
       TQ_MMA_MARK(7);
-      int cur = 0; // stage of iteration t0
-      for (; t0 < t_end; t0 += C::STEP) { // uniform within a warp
-        __syncwarp(); // every lane is done with the stage refilled next
-        const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
-        tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
-            TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
-        tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
-        __syncwarp(); // and every lane's
-        TQMmaTile<D, KB, VB, NRB> tl;
-        tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr + cur * C::STAGE_BYTES, g, cc, sc_k, sc_v);
-        run(tl, t0);
-        cur = cur == C::STAGES - 1 ? 0 : cur + 1;
+      while (t0 < t_end) { // uniform within a warp
+#pragma unroll
+        for (int cur = 0; cur < C::STAGES; ++cur) { // stage of iteration t0
+          if (t0 >= t_end) {
+            break;
+          }
+          __syncwarp(); // every lane is done with the stage refilled next
+          const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
+          tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
+              TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
+          tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
+          __syncwarp(); // and every lane's
+          TQMmaTile<D, KB, VB, NRB> tl;
+          tq_mma_stage_read<D, KB, VB, NRB>(tl, ring_ptr + cur * C::STAGE_BYTES, g, cc, sc_k, sc_v);
+          run(tl, t0);
+          t0 += C::STEP;
+        }
       }
     }
     tq_cp_async_wait<0>(); // (empty groups only; the merge below reuses the memory)
