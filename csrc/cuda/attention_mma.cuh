@@ -1193,7 +1193,11 @@ tq_attention_mma_kernel(
           if (t0 >= t_end) {
             break;
           }
-          __syncwarp(); // every lane is done with the stage refilled next
+          // Every lane is done with the stage refilled next: it read it into registers
+          // before the previous tile's P exchange, whose __syncwarp it has passed.
+          if constexpr (TQ_MMA_PROBE == 2) { // (no P exchange there)
+            __syncwarp();
+          }
           const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
           tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
               TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
