@@ -153,7 +153,9 @@ struct TQMmaConfig {
   // The rings fill the gap below the aligned tables first and continue after the P
   // tiles: at most WARPS + 1 rings' worth beyond the tables and P tiles, or the gap.
   static constexpr int FIXED_SMEM = KTAB + VTAB + WARPS * PTILE;
-  static constexpr int LOOP_SMEM = FIXED_SMEM +
+  // warp 0's query fragments and their scale for the other warps, after the last ring
+  static constexpr int QSHARE = NRB * KBLK * 2 * 32 * 4 + 16;
+  static constexpr int LOOP_SMEM = FIXED_SMEM + QSHARE +
       (STAGED && (WARPS + 1) * RING > TAB_ALIGN - 16 ? (WARPS + 1) * RING : TAB_ALIGN - 16);
   // The final merge: a warp's accumulators as they lie in its registers, per (row block
   // nb, row parity e, m-block mb) a group of 64 floats, lane l's float2 (dims 2mb, 2mb+1
@@ -940,17 +942,19 @@ tq_attention_mma_kernel(
   // and the first copies of the keys.
   const float k_mine = k_cent[lane & ((1 << KB) - 1)];
   const float v_mine = v_cent[lane & ((1 << VB) - 1)];
-  uint4 q_raw[NRB][D / 32];
+  uint4 q_raw[NRB][D / 32]; // (warp 0's: it builds the query fragments of the block)
+  if (warp == 0) {
 #pragma unroll
-  for (int nb = 0; nb < NRB; ++nb) {
-    const int rr = min(row0 + nb * 8 + g, p.rows - 1);
-    const int qh = kvh * p.gqa + rr / p.q_len;
-    const int ql = rr % p.q_len;
-    const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2] + cc * (D / 4);
-    const uint4* qrow = reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(q) + base);
+    for (int nb = 0; nb < NRB; ++nb) {
+      const int rr = min(row0 + nb * 8 + g, p.rows - 1);
+      const int qh = kvh * p.gqa + rr / p.q_len;
+      const int ql = rr % p.q_len;
+      const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2] + cc * (D / 4);
+      const uint4* qrow = reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(q) + base);
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
-      q_raw[nb][i] = __ldg(qrow + i);
+      for (int i = 0; i < D / 32; ++i) {
+        q_raw[nb][i] = __ldg(qrow + i);
+      }
     }
   }
   // this block's keys (split `split`) and, staged, their first copies
@@ -1012,72 +1016,89 @@ tq_attention_mma_kernel(
 
   // ---- query fragments: row nb*8 + g, permuted dims (see the file comment), scaled by
   // scale * log2(e) and, against float16 overflow, by 2^-qexp (restored on the scores).
-  float qv[NRB][KBLK][4];
-  float qmax = 0.0f;
-  int lim_min = p.kv_len;
+  // The block's warps share the query rows: warp 0 builds them and leaves them and
+  // 2^qexp in shared memory (after the last ring, lane-interleaved 16-byte chunks), where
+  // the others read them after the tables' barrier (take_queries below).
+  uint32_t qf[NRB][KBLK][2];
+  float sup = 1.0f;
+  constexpr int QCH = NRB * KBLK / 2; // 16-byte chunks of a lane's fragments
+  uint4* q_share = reinterpret_cast<uint4*>(
+      tq_mma_smem + tab_off + C::FIXED_SMEM + uint32_t((C::WARPS - in_gap) * C::RING));
+  if (warp == 0) {
+    float qv[NRB][KBLK][4];
+    float qmax = 0.0f;
 #pragma unroll
-  for (int nb = 0; nb < NRB; ++nb) {
-    const int r = nb * 8 + g;
+    for (int nb = 0; nb < NRB; ++nb) {
+      const int r = nb * 8 + g;
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) { // 8 elements: k-blocks 2i and 2i + 1
-      const uint4 w = q_raw[nb][i];
-      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+      for (int i = 0; i < D / 32; ++i) { // 8 elements: k-blocks 2i and 2i + 1
+        const uint4 w = q_raw[nb][i];
+        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int h = 0; h < 4; ++h) { // elements 2h, 2h + 1 of the eight
-        float lo, hi;
-        if (q_bf16) {
-          lo = __uint_as_float(u[h] << 16);
-          hi = __uint_as_float(u[h] & 0xffff0000u);
-        } else {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[h]));
-          lo = f.x;
-          hi = f.y;
+        for (int h = 0; h < 4; ++h) { // elements 2h, 2h + 1 of the eight
+          float lo, hi;
+          if (q_bf16) {
+            lo = __uint_as_float(u[h] << 16);
+            hi = __uint_as_float(u[h] & 0xffff0000u);
+          } else {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[h]));
+            lo = f.x;
+            hi = f.y;
+          }
+          qv[nb][2 * i + h / 2][2 * (h % 2)] = lo;
+          qv[nb][2 * i + h / 2][2 * (h % 2) + 1] = hi;
         }
-        qv[nb][2 * i + h / 2][2 * (h % 2)] = lo;
-        qv[nb][2 * i + h / 2][2 * (h % 2) + 1] = hi;
+      }
+      // q in model space: R q, the 4 lanes of a row holding its quarters (uniform).
+      if (p.rot.on != 0) {
+        tq_rotate_blocked<D / 4, 4>(&qv[nb][0][0], p.rot, cc);
+      }
+#pragma unroll
+      for (int kb = 0; kb < KBLK; ++kb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = r < nr ? qv[nb][kb][e] * p.scale_log2 : 0.0f;
+          qv[nb][kb][e] = x;
+          qmax = fmaxf(qmax, fabsf(x));
+        }
       }
     }
-    // q in model space: R q, the 4 lanes of a row holding its quarters (uniform).
-    if (p.rot.on != 0) {
-      tq_rotate_blocked<D / 4, 4>(&qv[nb][0][0], p.rot, cc);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
+    }
+    // Largest |q| kept below 2^14: the products and their float32 sums cannot overflow.
+    int qexp = 0;
+    if (qmax > 16384.0f) {
+      qexp = int(ceilf(log2f(qmax / 16384.0f)));
+    }
+    const float qdown = exp2f(float(-qexp));
+    sup = exp2f(float(qexp));
+#pragma unroll
+    for (int nb = 0; nb < NRB; ++nb) {
+#pragma unroll
+      for (int kb = 0; kb < KBLK; ++kb) {
+        qf[nb][kb][0] = tq_pack_half2(qv[nb][kb][0] * qdown, qv[nb][kb][1] * qdown);
+        qf[nb][kb][1] = tq_pack_half2(qv[nb][kb][2] * qdown, qv[nb][kb][3] * qdown);
+      }
     }
 #pragma unroll
-    for (int kb = 0; kb < KBLK; ++kb) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = r < nr ? qv[nb][kb][e] * p.scale_log2 : 0.0f;
-        qv[nb][kb][e] = x;
-        qmax = fmaxf(qmax, fabsf(x));
-      }
+    for (int j = 0; j < QCH; ++j) {
+      const uint32_t* w = &qf[0][0][0] + 4 * j;
+      q_share[j * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (lane == 0) {
+      *reinterpret_cast<float*>(q_share + QCH * 32) = sup;
     }
   }
   TQ_MMA_MARK(5); // queries loaded
+  int lim_min = p.kv_len;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     if (p.causal && r < nr) {
       lim_min = min(lim_min, p.kv_len - p.q_len + (row0 + r) % p.q_len);
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    qmax = fmaxf(qmax, __shfl_xor_sync(0xffffffffu, qmax, off));
-  }
-  // Largest |q| kept below 2^14: the products and their float32 sums cannot overflow.
-  int qexp = 0;
-  if (qmax > 16384.0f) {
-    qexp = int(ceilf(log2f(qmax / 16384.0f)));
-  }
-  const float qdown = exp2f(float(-qexp)), sup = exp2f(float(qexp));
-  uint32_t qf[NRB][KBLK][2];
-#pragma unroll
-  for (int nb = 0; nb < NRB; ++nb) {
-#pragma unroll
-    for (int kb = 0; kb < KBLK; ++kb) {
-      qf[nb][kb][0] = tq_pack_half2(qv[nb][kb][0] * qdown, qv[nb][kb][1] * qdown);
-      qf[nb][kb][1] = tq_pack_half2(qv[nb][kb][2] * qdown, qv[nb][kb][3] * qdown);
-    }
-  }
-
 
   TQMmaAcc<D, NRB> acc;
 #pragma unroll
@@ -1096,6 +1117,22 @@ tq_attention_mma_kernel(
   TQ_MMA_MARK(6); // query fragments ready
   const int t_fast = min(t_end, lim_min + 1);
   const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
+  // The query fragments and their scale, which warp 0 left in shared memory (called by
+  // every loop variant right after the tables' barrier).
+  auto take_queries = [&] {
+    if (warp != 0) {
+#pragma unroll
+      for (int j = 0; j < QCH; ++j) {
+        const uint4 w = q_share[j * 32 + lane];
+        uint32_t* f = &qf[0][0][0] + 4 * j;
+        f[0] = w.x;
+        f[1] = w.y;
+        f[2] = w.z;
+        f[3] = w.w;
+      }
+      sup = *reinterpret_cast<const float*>(q_share + QCH * 32);
+    }
+  };
 #if TQ_MMA_PROBE == 2
   uint32_t sink = 0;
 #endif
@@ -1123,7 +1160,8 @@ tq_attention_mma_kernel(
       // and mma in one block of code: tile i+1's keys and scales, read from the stage
       // while tile i's value codes and weights wait in registers. The ring holds tiles
       // i+1 .. i+STAGES; tile i's stage is refilled once tile i+1 is read.
-      __syncthreads(); // tables ready
+      __syncthreads(); // tables (and query fragments) ready
+      take_queries();
       if (t0 < t_end) { // uniform within a warp
         tq_cp_async_wait<C::STAGES - 1>();
         __syncwarp();
@@ -1185,7 +1223,8 @@ tq_attention_mma_kernel(
       // Each iteration refills the stage read last, then waits for its own (issued
       // STAGES - 1 iterations before) and runs its phases one after another. Unrolled
       // over the ring, so that every stage address is a register plus an immediate.
-      __syncthreads(); // tables ready
+      __syncthreads(); // tables (and query fragments) ready
+      take_queries();
       TQ_MMA_MARK(7);
       while (t0 < t_end) { // uniform within a warp
 #pragma unroll
@@ -1219,7 +1258,8 @@ tq_attention_mma_kernel(
     TQMmaTile<D, KB, VB, NRB> ta, tb;
     tq_mma_load<D, KB, VB, NRB>(ta, c, t0, t_end, g, cc);
     tq_mma_load<D, KB, VB, NRB>(tb, c, t0 + C::STEP, t_end, g, cc);
-    __syncthreads(); // tables ready
+    __syncthreads(); // tables (and query fragments) ready
+    take_queries();
     for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
       run(ta, t0);
       tq_mma_load<D, KB, VB, NRB>(ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
