@@ -39,23 +39,33 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-/// Driver handle of one of this module's kernels (cached).
-CUfunction get_function(const void* symbol, const char* name) {
+/// `lookup()` for one of this module's kernels, asked once per kernel: one cache per
+/// call site (each passes its own lambda type); a lookup that throws is not cached.
+template <typename T, typename Lookup>
+T once_per_kernel(const void* symbol, Lookup&& lookup) {
   static std::mutex mu;
-  static std::unordered_map<const void*, CUfunction> cache;
+  static std::unordered_map<const void*, T> cache;
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(symbol);
   if (it != cache.end()) {
     return it->second;
   }
-  if (symbol == nullptr) {
-    throw std::invalid_argument(message("[turboquant_mlx] no CUDA kernel compiled for ", name, "."));
-  }
-  cudaFunction_t f = nullptr;
-  check(cudaGetFuncBySymbol(&f, symbol), name);
-  auto h = reinterpret_cast<CUfunction>(f);
-  cache.emplace(symbol, h);
-  return h;
+  const T value = lookup();
+  cache.emplace(symbol, value);
+  return value;
+}
+
+/// Driver handle of one of this module's kernels (cached).
+CUfunction get_function(const void* symbol, const char* name) {
+  return once_per_kernel<CUfunction>(symbol, [&] {
+    if (symbol == nullptr) {
+      throw std::invalid_argument(
+          message("[turboquant_mlx] no CUDA kernel compiled for ", name, "."));
+    }
+    cudaFunction_t f = nullptr;
+    check(cudaGetFuncBySymbol(&f, symbol), name);
+    return reinterpret_cast<CUfunction>(f);
+  });
 }
 
 /// Lets `symbol` (one of this module's kernels) use `bytes` of dynamic shared memory
@@ -138,17 +148,11 @@ unsigned int* merge_counters(int device, int n) {
 /// The architecture (e.g. 90) of the machine code that runs for one of this module's
 /// kernels, once per kernel: the fused merge is compiled into the sm_90 code only.
 int kernel_binary_arch(const void* symbol) {
-  static std::mutex mu;
-  static std::unordered_map<const void*, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(symbol);
-  if (it != cache.end()) {
-    return it->second;
-  }
-  cudaFuncAttributes attr{};
-  check(cudaFuncGetAttributes(&attr, symbol), "cudaFuncGetAttributes");
-  cache.emplace(symbol, attr.binaryVersion);
-  return attr.binaryVersion;
+  return once_per_kernel<int>(symbol, [&] {
+    cudaFuncAttributes attr{};
+    check(cudaFuncGetAttributes(&attr, symbol), "cudaFuncGetAttributes");
+    return attr.binaryVersion;
+  });
 }
 
 int env_int(const char* name, int fallback) {
