@@ -43,6 +43,7 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "rotation_signs"_a = nb::none(),
       "mean"_a = nb::none(),
+      "in_place"_a = false,
       "stream"_a = nb::none(),
       R"(Quantize tokens into the cache buffers at ``offset``.
 
@@ -59,10 +60,14 @@ NB_MODULE(_ext, m) {
                 kernels then apply to ``x`` themselves.
             mean (array, optional): ``(B, H, 1, D)``, in ``x``'s space: ``x - mean``
                 is quantized (a mean-centered cache).
+            in_place (bool): write into the input buffers even while other arrays
+                reference them (they see the new tokens too). For a caller that owns
+                the buffers and whose other readers only look at slots before
+                ``offset``; it keeps appends O(L) under pipelined decoding.
 
         Returns:
             list[array]: the updated ``[codes, scales]``; they reuse the input buffers
-            when those are not referenced elsewhere.)");
+            when those are not referenced elsewhere, or with ``in_place``.)");
 
   m.def(
       "compressed_attention",

@@ -209,6 +209,7 @@ std::vector<mx::array> quantize_append(
     int bits,
     const std::optional<std::vector<float>>& rotation_signs,
     const std::optional<mx::array>& mean,
+    bool in_place,
     mx::StreamOrDevice s) {
   constexpr const char* op = "quantize_append";
   int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
@@ -263,7 +264,8 @@ std::vector<mx::array> quantize_append(
     rest.push_back(mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
   }
   // The cache buffers go in as they are, one node each, so each node can donate its
-  // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
+  // buffer; a node copies it only if it is not row-contiguous or, without in_place,
+  // referenced elsewhere.
   auto node = [&](const mx::array& buffer, AppendTarget target) {
     std::vector<mx::array> inputs = {buffer};
     inputs.insert(inputs.end(), rest.begin(), rest.end());
@@ -271,7 +273,7 @@ std::vector<mx::array> quantize_append(
         buffer.shape(),
         buffer.dtype(),
         std::make_shared<QuantizeAppend>(
-            stream, bits, offset, target, rotation, mean.has_value()),
+            stream, bits, offset, target, rotation, mean.has_value(), in_place),
         std::move(inputs));
   };
   return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};

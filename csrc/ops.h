@@ -24,6 +24,9 @@ int words_per_token(int head_dim, int bits);
 /// mean-centered cache appends its tokens as they are).
 /// Returns the updated {codes, scales}; they reuse the input buffers when the inputs
 /// are donatable, so appending costs O(L), not O(capacity).
+/// `in_place`: they reuse them even while other arrays reference the input buffers
+/// (which then see the new tokens too): for a caller that owns the buffers and whose
+/// other readers look only at slots before `offset` (see QuantizeAppend).
 std::vector<mx::array> quantize_append(
     const mx::array& codes,
     const mx::array& scales,
@@ -33,6 +36,7 @@ std::vector<mx::array> quantize_append(
     int bits,
     const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
     const std::optional<mx::array>& mean = std::nullopt,
+    bool in_place = false,
     mx::StreamOrDevice s = {});
 
 /// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when

@@ -16,7 +16,7 @@ void QuantizeAppend::eval_gpu(const std::vector<mx::array>& inputs, mx::array& o
 bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizeAppend&>(other);
   return bits_ == o.bits_ && offset_ == o.offset_ && target_ == o.target_ &&
-      rotation_ == o.rotation_ && centered_ == o.centered_;
+      rotation_ == o.rotation_ && centered_ == o.centered_ && in_place_ == o.in_place_;
 }
 
 void CompressedAttention::eval_cpu(

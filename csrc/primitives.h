@@ -52,7 +52,14 @@ enum class AppendTarget { Codes, Scales };
 /// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x (B,H,L,D) float
 ///          (float32 on the CPU; GPUs also read float16/bfloat16), centroids (2^b) f32
 ///          [, mean (B,H,1,D) f32 when centered: x - mean is quantized]
-/// outputs: the buffer (shares the input buffer when donatable, else a copy)
+/// outputs: the buffer (shares the input buffer when donatable or in_place, else a copy)
+///
+/// in_place: the node writes into the input buffer even while other arrays still
+/// reference it. MLX keeps every op input alive until the GPU has run the op, so under
+/// pipelined decoding (the next step's graph evaluated while the GPU still runs the
+/// current one) a cache buffer is never donatable and each append would copy all of
+/// it. A cache that owns its buffers asks for in_place: the append writes only the
+/// slots [offset, offset + L), which no earlier reader of the cache looks at.
 class QuantizeAppend : public mx::UnaryPrimitive {
  public:
   QuantizeAppend(
@@ -61,13 +68,15 @@ class QuantizeAppend : public mx::UnaryPrimitive {
       int offset,
       AppendTarget target,
       std::optional<SignedHadamard> rotation = std::nullopt,
-      bool centered = false)
+      bool centered = false,
+      bool in_place = false)
       : mx::UnaryPrimitive(stream),
         bits_(bits),
         offset_(offset),
         target_(target),
         rotation_(rotation),
-        centered_(centered) {}
+        centered_(centered),
+        in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
@@ -97,6 +106,10 @@ class QuantizeAppend : public mx::UnaryPrimitive {
   bool centered() const {
     return centered_;
   }
+  /// Set: the input buffer is written in place even when it is referenced elsewhere.
+  bool in_place() const {
+    return in_place_;
+  }
 
  private:
   int bits_;
@@ -104,6 +117,7 @@ class QuantizeAppend : public mx::UnaryPrimitive {
   AppendTarget target_;
   std::optional<SignedHadamard> rotation_;
   bool centered_;
+  bool in_place_;
 };
 
 /// Settings of one attention call over the compressed cache.

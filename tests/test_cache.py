@@ -470,24 +470,68 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
         # after it completes; an append evaluated before that copies (rarely, on CUDA).
         mx.synchronize()
     assert _ext.buffer_copies() == before
-    # A buffer someone else still holds is copied, never overwritten (and counted).
+    # Pipelined decoding: MLX holds the buffers until the previous step's kernels have
+    # run, so they are never donatable when the next append is evaluated (held here,
+    # deterministically). The cache's appends still write them in place, and the slots
+    # an older reader can see never change.
+    held = [cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales]
+    n = cache._n_comp
+    snapshot = [np.array(a[:, :, :n]) for a in held]
+    for _ in range(40):  # the window (tq4) hands tokens to the compressed segment
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+        mx.eval(cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales)
+    assert cache._n_comp > n
+    assert _ext.buffer_copies() == before
+    now = [cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales]
+    for old, new, snap in zip(held, now, snapshot):
+        np.testing.assert_array_equal(np.array(old[:, :, :n]), snap)
+        np.testing.assert_array_equal(np.array(old), np.array(new))  # one buffer
+
+
+def test_trim_then_append_leaves_earlier_arrays_unchanged():
+    # After a trim the next appends write slots that arrays taken before it (state,
+    # dequantized tokens) still show: that append copies the buffers once instead of
+    # writing them in place.
+    rng = np.random.default_rng(1)
+    cache = TurboQuantKVCache(4, 4)
+    cache.update_and_fetch(_rand(rng, (1, 2, 30, 64)), _rand(rng, (1, 2, 30, 64)))
+    state = cache.state[:4]
+    snapshot = [np.array(a) for a in state]
+    keys, values = cache.dequantized_keys_values()
+    before = np.array(keys)
+    assert cache.trim(10) == 10
+    cache.update_and_fetch(_rand(rng, (1, 2, 10, 64)), _rand(rng, (1, 2, 10, 64)))
+    mx.eval(cache._k_codes, cache._v_codes)
+    for a, snap in zip(state, snapshot):
+        np.testing.assert_array_equal(np.array(a), snap)
+    np.testing.assert_array_equal(np.array(keys), before)
+    # Later appends are in place again.
+    from turboquant_mlx import _ext
+
+    copies = _ext.buffer_copies()
     held = cache._k_codes
-    snapshot = np.array(held)
     cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
     mx.eval(cache._k_codes)
-    assert _ext.buffer_copies() > before
-    np.testing.assert_array_equal(np.array(held), snapshot)
+    assert _ext.buffer_copies() == copies  # though `held` still references the buffer
+    del held
 
 
-def test_deepcopy_is_independent():
+@pytest.mark.parametrize("window", (4, 0))
+def test_deepcopy_is_independent(window):
+    # A deep copy shares the mx.array buffers; neither cache may then append to them
+    # in place, or the two would write the same slots.
     rng = np.random.default_rng(0)
-    cache, _, _ = _filled(rng, [20], fp16_recent_tokens=4)
+    cache, _, _ = _filled(rng, [20], fp16_recent_tokens=window)
     twin = copy.deepcopy(cache)
     q = _rand(rng, (1, 2, 1, 64))
-    before = cache.attention(q, 0.1)
-    twin.update_and_fetch(_rand(rng, (1, 2, 3, 64)), _rand(rng, (1, 2, 3, 64)))
-    assert cache.offset == 20 and twin.offset == 23
-    assert mx.array_equal(cache.attention(q, 0.1), before)
+    before = np.array(cache.attention(q, 0.1))
+    twin.update_and_fetch(_rand(rng, (1, 2, 9, 64)), _rand(rng, (1, 2, 9, 64)))
+    twin_before = np.array(twin.attention(q, 0.1))  # (evaluates the append)
+    assert cache.offset == 20 and twin.offset == 29
+    np.testing.assert_array_equal(np.array(cache.attention(q, 0.1)), before)
+    cache.update_and_fetch(_rand(rng, (1, 2, 9, 64)), _rand(rng, (1, 2, 9, 64)))
+    mx.eval(cache.attention(q, 0.1))
+    np.testing.assert_array_equal(np.array(twin.attention(q, 0.1)), twin_before)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS + LEVER_LAYOUTS, ids=range(len(LAYOUTS) + len(LEVER_LAYOUTS)))

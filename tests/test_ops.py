@@ -193,6 +193,52 @@ def test_quantize_append_reuses_an_unreferenced_buffer():
         assert extra < 0.1 * cache_bytes, f"append {step} allocated {extra} bytes"
 
 
+@pytest.mark.parametrize("buffer_kind", ("evaluated", "strided"))
+def test_quantize_append_in_place_writes_a_referenced_buffer(buffer_kind):
+    # in_place: the buffer is written even though another array (here old_*; under
+    # pipelined decoding, the previous step's kernels) still references it, and only
+    # its slots [offset, offset + L) change. A buffer that is not row-contiguous is
+    # still copied.
+    from turboquant_mlx import _ext
+
+    if not ops.has_kernels():
+        pytest.skip("the plain-MLX fallback always copies")
+    rng = np.random.default_rng(4)
+    batch, heads, capacity, head_dim, bits = 2, 2, 10, 64, 4
+    words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
+    if buffer_kind == "evaluated":
+        old_codes, old_scales = mx_cache(words, scales)
+    else:  # every other slot of a larger buffer
+        old_codes = mx.array(np.repeat(words, 2, axis=2))[:, :, ::2]
+        old_scales = mx.array(np.repeat(scales, 2, axis=2))[:, :, ::2]
+    mx.eval(old_codes, old_scales)
+    x = random_tokens(rng, (batch, heads, 3, head_dim), spread=False)
+    c = mx.array(centroids_np(head_dim, bits))
+
+    copies = _ext.buffer_copies()
+    new_codes, new_scales = ops.quantize_append(
+        old_codes, old_scales, mx.array(x), c, 6, bits, in_place=True
+    )
+    mx.eval(new_codes, new_scales)
+    got_words, got_scales = np.array(new_codes), np.array(new_scales)
+    assert_codes_and_scales(got_words[:, :, 6:9], got_scales[:, :, 6:9], x, bits)
+    keep = [0, 1, 2, 3, 4, 5, 9]
+    np.testing.assert_array_equal(got_words[:, :, keep], words[:, :, keep])
+    np.testing.assert_array_equal(
+        got_scales[:, :, keep].view(np.uint16), scales[:, :, keep].view(np.uint16)
+    )
+    if buffer_kind == "evaluated":
+        assert _ext.buffer_copies() == copies
+        # One buffer: the referenced arrays see the new tokens.
+        np.testing.assert_array_equal(np.array(old_codes), got_words)
+        np.testing.assert_array_equal(
+            np.array(old_scales).view(np.uint16), got_scales.view(np.uint16)
+        )
+    else:
+        assert _ext.buffer_copies() == copies + 2  # codes and scales
+        np.testing.assert_array_equal(np.array(old_codes), words)
+
+
 def test_quantize_append_reads_strided_tokens():
     # Models hand over (B, L, H, D) projections transposed to (B, H, L, D).
     rng = np.random.default_rng(11)

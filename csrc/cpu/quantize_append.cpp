@@ -17,10 +17,10 @@ namespace {
 // Largest finite float16: scales are stored in it.
 constexpr float kMaxFloat16 = 65504.0f;
 
-// Makes `out` hold the cache buffer: the input's own buffer when it can be donated
-// (the O(new tokens) path), otherwise a copy.
-void take_buffer(const mx::array& in, mx::array& out, const mx::Stream& s) {
-  if (in.flags().row_contiguous && in.is_donatable()) {
+// Makes `out` hold the cache buffer: the input's own buffer when it can be donated or
+// the caller asked for in_place (the O(new tokens) path), otherwise a copy.
+void take_buffer(const mx::array& in, mx::array& out, bool in_place, const mx::Stream& s) {
+  if (in.flags().row_contiguous && (in_place || in.is_donatable())) {
     out.copy_shared_buffer(in);
     return;
   }
@@ -60,7 +60,7 @@ void quantize_append(
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  take_buffer(inputs[0], out, s);
+  take_buffer(inputs[0], out, prim.in_place(), s);
   auto& x = inputs[1];
   auto& centroids = inputs[2];
 

@@ -303,12 +303,17 @@ mx::array row_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) {
   return a.flags().row_contiguous ? a : temporary_copy(a, enc);
 }
 
-/// Makes `out` hold the cache buffer `in`: its own memory when it can be donated (the
-/// O(new tokens) path), else a row-contiguous copy. The copy lives in memory of MLX's
-/// allocator: MLX donates only buffers its allocator owns, and a cache buffer in the
-/// pool above could then never be reused again -- every later append would copy it.
-void take_buffer(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
-  if (in.flags().row_contiguous && in.is_donatable()) {
+/// Makes `out` hold the cache buffer `in`: its own memory when it can be donated or
+/// the caller asked for in_place (the O(new tokens) path), else a row-contiguous copy.
+/// The copy lives in memory of MLX's allocator: MLX donates only buffers its allocator
+/// owns, and a cache buffer in the pool above could then never be reused again --
+/// every later append would copy it.
+void take_buffer(
+    const mx::array& in,
+    mx::array& out,
+    bool in_place,
+    mx::cu::CommandEncoder& enc) {
+  if (in.flags().row_contiguous && (in_place || in.is_donatable())) {
     out.copy_shared_buffer(in);
     return;
   }
@@ -444,7 +449,7 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   auto& enc = mx::cu::get_command_encoder(s);
-  take_buffer(inputs[0], out, enc);
+  take_buffer(inputs[0], out, prim.in_place(), enc);
   const mx::array x = last_axis_contiguous(inputs[1], enc);
   auto& cent = inputs[2];
   const int head_dim = x.shape(3);

@@ -130,10 +130,15 @@ void copy_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, cons
       MTL::Size(TQ_COPY_THREADS, 1, 1));
 }
 
-/// Makes `out` hold the cache buffer `in`: its own memory when donatable (the
-/// O(new tokens) path), else a row-contiguous copy.
-void take_buffer(const mx::array& in, mx::array& out, mx::metal::Device& d, const mx::Stream& s) {
-  if (in.flags().row_contiguous && in.is_donatable()) {
+/// Makes `out` hold the cache buffer `in`: its own memory when donatable or when the
+/// caller asked for in_place (the O(new tokens) path), else a row-contiguous copy.
+void take_buffer(
+    const mx::array& in,
+    mx::array& out,
+    bool in_place,
+    mx::metal::Device& d,
+    const mx::Stream& s) {
+  if (in.flags().row_contiguous && (in_place || in.is_donatable())) {
     out.copy_shared_buffer(in);
     return;
   }
@@ -194,7 +199,7 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   auto& d = mx::metal::device(s.device);
-  take_buffer(inputs[0], out, d, s);
+  take_buffer(inputs[0], out, prim.in_place(), d, s);
   const mx::array x = last_axis_contiguous(inputs[1], d, s);
   auto& cent = inputs[2];
   const int head_dim = x.shape(3);

@@ -413,6 +413,16 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = 0
         self._k_codes = self._k_scales = self._v_codes = self._v_scales = None
         self._n_comp = 0
+        # Whether the compressed buffers are this cache's alone and every slot at or
+        # past _n_comp is free to write, so that appends write them in place
+        # (quantize_append's in_place). MLX holds an op's inputs until the device has
+        # run it: while the previous decode step still runs, the buffers are never
+        # free to donate, and an append that waited for donation would copy the whole
+        # cache. Cleared where that stops being true (a deep copy shares the buffers;
+        # a trim or a re-calibration rewrites slots that older arrays may still read;
+        # arrays set from a state belong to the caller); the next append then copies
+        # once if it must, and the buffers are private again.
+        self._buffers_private = True
         self._sink_k = self._sink_v = None
         self._win_k = self._win_v = None
         self._win_start = self.fp16_sink_tokens
@@ -536,6 +546,7 @@ class TurboQuantKVCache(_BaseCache):
         self._k_scales = grow(self._k_scales, (), mx.float16)
         self._v_codes = grow(self._v_codes, (wv,), mx.uint32)
         self._v_scales = grow(self._v_scales, (), mx.float16)
+        self._buffers_private = True  # new arrays
 
     def _quantize(self, keys: mx.array, values: mx.array):
         """Appends tokens to the compressed segment."""
@@ -569,15 +580,18 @@ class TurboQuantKVCache(_BaseCache):
         None) and rotates."""
         n = k_rot.shape[2]
         self._ensure_capacity(self._n_comp + n)
+        in_place = self._buffers_private
         self._k_codes, self._k_scales = ops.quantize_append(
             self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
-            rotation_signs=signs, mean=mu_k,
+            rotation_signs=signs, mean=mu_k, in_place=in_place,
         )
         self._v_codes, self._v_scales = ops.quantize_append(
             self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp, self.value_bits,
-            rotation_signs=signs if self.rotate_values else None, mean=mu_v,
+            rotation_signs=signs if self.rotate_values else None, mean=mu_v, in_place=in_place,
         )
         self._n_comp += n
+        # Without in_place the outputs reused buffers nothing else held, or are copies.
+        self._buffers_private = True
 
     # -- calibration of the levers ----------------------------------------------------
 
@@ -661,6 +675,7 @@ class TurboQuantKVCache(_BaseCache):
         self._win_k = self._win_v = None
         self._win_start = S
         self._n_comp = 0
+        self._buffers_private = False  # slots from 0 on are written again
         if n:
             self._store(hk, hv, S)
 
@@ -1478,6 +1493,9 @@ class TurboQuantKVCache(_BaseCache):
                 self._sink_k = self._sink_k[:, :, :new]
                 self._sink_v = self._sink_v[:, :, :new]
         self._n_comp = min(self._n_comp, max(0, new - S))
+        # The dropped slots are written again by the next appends, while arrays taken
+        # before the trim (state, dequantized tokens, pending graphs) may still read them.
+        self._buffers_private = False
         if (self.fp16_recent_tokens == 0 and self._calibrated) or new <= self._win_start:
             self._win_k = self._win_v = None
             self._win_start = max(S, new)
@@ -1651,6 +1669,7 @@ class TurboQuantKVCache(_BaseCache):
 
     def _set_arrays(self, arrays):
         self._drop_code_space()
+        self._buffers_private = False  # the caller's arrays
         arrays = list(arrays) + [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
         kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
             None if _is_empty(a) else a for a in arrays
@@ -1758,6 +1777,9 @@ class TurboQuantKVCache(_BaseCache):
         memo[id(self)] = new
         for key, value in self.__dict__.items():
             new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        # A deep copy of an mx.array shares its buffer: neither cache may append to the
+        # shared buffers in place.
+        self._buffers_private = new._buffers_private = False
         return new
 
     @classmethod

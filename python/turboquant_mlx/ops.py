@@ -45,6 +45,7 @@ def quantize_append(
     *,
     rotation_signs: Optional[Sequence[float]] = None,
     mean: Optional[mx.array] = None,
+    in_place: bool = False,
     stream=None,
 ):
     """Quantize tokens ``(B, H, L, D)`` into the cache at ``offset``.
@@ -56,6 +57,15 @@ def quantize_append(
     With ``mean`` ``(B, H, 1, D)`` (in ``x``'s space), ``x - mean`` is quantized: a
     mean-centered cache appends its tokens as they are.
 
+    With ``in_place``, the kernels write into the buffers even while other arrays
+    still reference them, and those arrays see the new tokens too. MLX keeps an op's
+    inputs alive until the device has run it, so while the previous decode step is
+    still running (``mx.async_eval`` pipelining, as mlx-lm generates) the buffers are
+    never free to reuse, and each append would copy the whole cache. It is for a caller
+    that owns the buffers and whose other readers look only at slots before
+    ``offset``: :class:`~turboquant_mlx.TurboQuantKVCache` uses it. The plain-MLX
+    fallback ignores it (it always copies).
+
     Returns:
         tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
         old arrays so the primitive can reuse their buffers (O(L) instead of a copy).
@@ -63,7 +73,7 @@ def quantize_append(
     if has_kernels(stream):
         codes, scales = _ext.quantize_append(
             codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
-            mean=mean, stream=stream,
+            mean=mean, in_place=in_place, stream=stream,
         )
         return codes, scales
     _ext.words_per_token(x.shape[-1], bits)  # same validation as the kernel path
