@@ -516,13 +516,14 @@ def test_trim_then_append_leaves_earlier_arrays_unchanged():
     del held
 
 
+@pytest.mark.parametrize("copier", (copy.deepcopy, copy.copy), ids=("deepcopy", "copy"))
 @pytest.mark.parametrize("window", (4, 0))
-def test_deepcopy_is_independent(window):
-    # A deep copy shares the mx.array buffers; neither cache may then append to them
-    # in place, or the two would write the same slots.
+def test_copy_is_independent(window, copier):
+    # A copy shares the mx.array buffers; neither cache may then append to them in
+    # place, or the two would write the same slots.
     rng = np.random.default_rng(0)
     cache, _, _ = _filled(rng, [20], fp16_recent_tokens=window)
-    twin = copy.deepcopy(cache)
+    twin = copier(cache)
     q = _rand(rng, (1, 2, 1, 64))
     before = np.array(cache.attention(q, 0.1))
     twin.update_and_fetch(_rand(rng, (1, 2, 9, 64)), _rand(rng, (1, 2, 9, 64)))

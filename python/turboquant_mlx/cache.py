@@ -1782,6 +1782,11 @@ class TurboQuantKVCache(_BaseCache):
         self._buffers_private = new._buffers_private = False
         return new
 
+    def __copy__(self):
+        # As a deep copy: mx.arrays are shared either way, and a copy that shared this
+        # cache's lists of pending window tokens would corrupt both.
+        return self.__deepcopy__({})
+
     @classmethod
     def merge(cls, caches):
         raise NotImplementedError(
