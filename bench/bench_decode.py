@@ -27,7 +27,9 @@ timed steps (weights + caches + temporaries) less the other caches held at the t
 "× fp16" is decode tokens/s over the fp16 cache's at the same context (the fp16 cache
 must come first in ``--caches``).
 
-Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), a preset name of
+Caches (``--caches``): ``fp16`` (mlx-lm's KVCache), ``fp16:inplace`` (the same with each
+token written into its buffers in place, see InPlaceKVCache: CPU and CUDA), a preset
+name of
 turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
 ``k<b>v<b>`` that is not a preset name (a plain TurboQuantKVCache with those bit
 widths: no sinks, window or levers; ``k4v3`` is the preset), or
@@ -144,12 +146,32 @@ class op_rotation:
         return False
 
 
+class InPlaceKVCache(KVCache):
+    """mlx-lm's fp16 KVCache with each new token written into its buffers in place
+    (``_ext.write_tokens``). mlx-lm writes with ``slice_update``, which reuses a buffer
+    only when nothing else references it; under pipelined decoding the previous step's
+    kernels still do, and the buffer is copied. This is the fp16 baseline without those
+    copies. Growth is mlx-lm's; for benchmarks only (a trim followed by writes would
+    overwrite slots that arrays taken before it still show)."""
+
+    def update_and_fetch(self, keys, values):
+        prev = self.offset
+        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
+            return super().update_and_fetch(keys, values)
+        self.offset += keys.shape[2]
+        self.keys = _ext.write_tokens(self.keys, keys, prev)
+        self.values = _ext.write_tokens(self.values, values, prev)
+        return self.keys_and_values()
+
+
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
     name = name.removesuffix(":hostrot")
     if name == "fp16":
         return [KVCache() for _ in range(n)]
+    if name == "fp16:inplace":
+        return [InPlaceKVCache() for _ in range(n)]
     m = re.fullmatch(r"affine(\d)", name)
     if m:
         return [QuantizedKVCache(group_size=64, bits=int(m.group(1))) for _ in range(n)]

@@ -70,6 +70,29 @@ NB_MODULE(_ext, m) {
             when those are not referenced elsewhere, or with ``in_place``.)");
 
   m.def(
+      "write_tokens",
+      &tq::write_tokens,
+      "buffer"_a,
+      "x"_a,
+      "offset"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      R"(Write tokens into a dense cache buffer in place (CPU and CUDA streams).
+
+        Args:
+            buffer (array): ``(B, H, capacity, D)`` float16, bfloat16 or float32.
+            x (array): ``(B, H, L, D)`` in the buffer's dtype.
+            offset (int): first token slot written.
+
+        Returns:
+            array: the buffer with ``x`` at ``[offset, offset + L)``, in the input
+            buffer's memory even while other arrays reference it (they see the new
+            tokens too; a buffer that is not row-contiguous is copied first). For a
+            caller that owns the buffer and whose other readers only look at slots
+            before ``offset``: the benchmarks' fp16 cache that does not copy itself
+            under pipelined decoding (``bench/bench_decode.py --caches fp16:inplace``).)");
+
+  m.def(
       "compressed_attention",
       &tq::compressed_attention,
       "q"_a,

@@ -23,6 +23,13 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     mx::array& output);
 
+/// One WriteTokens node (CUDA; the Python layer keeps Metal streams off it).
+void write_tokens(
+    const WriteTokens& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& output);
+
 void attention(
     const CompressedAttention& prim,
     const mx::Stream& s,

@@ -30,6 +30,10 @@ void quantize_append(
   no_kernels("quantize_append");
 }
 
+void write_tokens(const WriteTokens&, const mx::Stream&, const std::vector<mx::array>&, mx::array&) {
+  no_kernels("write_tokens");
+}
+
 void attention(
     const CompressedAttention&,
     const mx::Stream&,

@@ -279,6 +279,53 @@ std::vector<mx::array> quantize_append(
   return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
 }
 
+mx::array write_tokens(
+    const mx::array& buffer,
+    const mx::array& x,
+    int offset,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "write_tokens";
+  if (buffer.ndim() != 4 || x.ndim() != 4) {
+    fail(
+        op,
+        "buffer and x must be (B, H, capacity, D) and (B, H, L, D), got ",
+        shape_str(buffer.shape()),
+        " and ",
+        shape_str(x.shape()),
+        ".");
+  }
+  check_float(op, "buffer", buffer);
+  if (x.dtype() != buffer.dtype()) {
+    fail(op, "x has dtype ", dtype_str(x.dtype()), " but the buffer ", dtype_str(buffer.dtype()), ".");
+  }
+  if (x.shape(0) != buffer.shape(0) || x.shape(1) != buffer.shape(1) || x.shape(3) != buffer.shape(3)) {
+    fail(
+        op,
+        "x ",
+        shape_str(x.shape()),
+        " does not match the buffer ",
+        shape_str(buffer.shape()),
+        " in batch, heads or head dim.");
+  }
+  if (offset < 0) {
+    fail(op, "offset must be >= 0, got ", offset, ".");
+  }
+  if (static_cast<int64_t>(offset) + x.shape(2) > buffer.shape(2)) {
+    fail(
+        op,
+        "capacity overflow: writing ",
+        x.shape(2),
+        " tokens at offset ",
+        offset,
+        " exceeds the capacity ",
+        buffer.shape(2),
+        ".");
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array(
+      buffer.shape(), buffer.dtype(), std::make_shared<WriteTokens>(stream, offset), {buffer, x});
+}
+
 std::vector<mx::array> compressed_attention(
     const mx::array& q,
     const mx::array& k_codes,

@@ -39,6 +39,17 @@ std::vector<mx::array> quantize_append(
     bool in_place = false,
     mx::StreamOrDevice s = {});
 
+/// Writes x (B, H, L, D) into the dense cache buffer (B, H, capacity, D) of the same
+/// floating-point dtype at token `offset`, in the buffer's own memory even while other
+/// arrays reference it (they see the new tokens; see quantize_append's in_place). For
+/// a caller that owns the buffer and whose other readers look only at tokens before
+/// `offset`. CPU and CUDA streams.
+mx::array write_tokens(
+    const mx::array& buffer,
+    const mx::array& x,
+    int offset,
+    mx::StreamOrDevice s = {});
+
 /// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
 /// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in q's space
 /// that every query sees (fp16 sinks and the recent window of a cache), in one

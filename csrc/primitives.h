@@ -120,6 +120,36 @@ class QuantizeAppend : public mx::UnaryPrimitive {
   bool in_place_;
 };
 
+/// Writes tokens x (B,H,L,D) into a dense cache buffer (B,H,cap,D) of the same dtype at
+/// token `offset`, in the buffer's own memory even when other arrays reference it (see
+/// QuantizeAppend's in_place; a buffer that is not row-contiguous is copied first). For
+/// a cache that owns its buffers: the benchmarks' fp16 cache that does not copy itself.
+/// inputs: buffer, x; outputs: the buffer
+class WriteTokens : public mx::UnaryPrimitive {
+ public:
+  WriteTokens(mx::Stream stream, int offset) : mx::UnaryPrimitive(stream), offset_(offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
+
+  const char* name() const override {
+    return "WriteTokens";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return offset_ == static_cast<const WriteTokens&>(other).offset_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  int offset() const {
+    return offset_;
+  }
+
+ private:
+  int offset_;
+};
+
 /// Settings of one attention call over the compressed cache.
 struct AttentionParams {
   int kv_len; // valid keys 0..kv_len-1

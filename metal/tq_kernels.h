@@ -1011,13 +1011,15 @@ TQ_FN void tq_copy_impl(
   if (e >= p.size) {
     return;
   }
-  int64_t rem = e, at = 0;
+  int64_t rem = e, at = 0, to = 0;
   TQ_UNROLL
   for (int a = 3; a >= 0; --a) {
-    at += (rem % p.shape[a]) * p.stride[a];
+    const int64_t i = rem % p.shape[a];
+    at += i * p.stride[a];
+    to += i * p.dst_stride[a];
     rem /= p.shape[a];
   }
-  dst[e] = src[at];
+  dst[p.dst_strided != 0 ? to : e] = src[at];
 }
 
 // ============================================================================ Metal entry points

@@ -145,9 +145,12 @@ struct TQDequantParams {
   int head_dim;
 };
 
-/// Strided gather of up to 4 axes into a row-contiguous buffer.
+/// Strided gather of up to 4 axes into a row-contiguous buffer, or (dst_strided) into
+/// a strided one (write_tokens: a block of tokens written into a cache buffer).
 struct TQCopyParams {
   int64_t shape[4];
   int64_t stride[4]; // source strides in elements
   int64_t size; // total elements
+  int64_t dst_stride[4]; // destination strides in elements, when dst_strided
+  int dst_strided;
 };

@@ -239,6 +239,60 @@ def test_quantize_append_in_place_writes_a_referenced_buffer(buffer_kind):
         np.testing.assert_array_equal(np.array(old_codes), words)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_write_tokens_in_place(dtype):
+    # _ext.write_tokens (the benchmarks' fp16 cache that does not copy): x lands at
+    # [offset, offset + L) in the buffer's own memory although `held` references it;
+    # the other slots keep their values; x may be strided.
+    from turboquant_mlx import _ext
+
+    if mx.default_device() == mx.gpu and _ext.gpu_backend() != "cuda":
+        pytest.skip("write_tokens has CPU and CUDA kernels")
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((2, 3, 12, 64)).astype(np.float32)
+    buffer = mx.array(base).astype(dtype)
+    mx.eval(buffer)
+    want = np.array(buffer.astype(mx.float32))
+    held = buffer
+    x_np = rng.standard_normal((2, 3, 64, 4)).astype(np.float32)
+    x = mx.array(x_np).astype(dtype).transpose(0, 1, 3, 2)  # (2, 3, 4, 64), strided
+    copies = _ext.buffer_copies()
+    out = _ext.write_tokens(buffer, x, 7)
+    mx.eval(out)
+    want[:, :, 7:11] = np.array(x.astype(mx.float32))
+    np.testing.assert_array_equal(np.array(out.astype(mx.float32)), want)
+    np.testing.assert_array_equal(np.array(held.astype(mx.float32)), want)  # one buffer
+    assert _ext.buffer_copies() == copies
+    # A buffer that is not row-contiguous is copied first (and counted).
+    strided = mx.array(np.repeat(base, 2, axis=2)).astype(dtype)[:, :, ::2]
+    kept = np.array(strided.astype(mx.float32))
+    out = _ext.write_tokens(strided, x, 0)
+    mx.eval(out)
+    assert _ext.buffer_copies() == copies + 1
+    np.testing.assert_array_equal(np.array(strided.astype(mx.float32)), kept)
+    np.testing.assert_array_equal(np.array(out.astype(mx.float32))[:, :, :4], want[:, :, 7:11])
+
+
+def test_write_tokens_refuses_bad_input():
+    from turboquant_mlx import _ext
+
+    buffer = mx.zeros((1, 2, 8, 64), mx.float16)
+    x = mx.zeros((1, 2, 3, 64), mx.float16)
+    cases = [
+        (buffer, x.astype(mx.float32), 0, "dtype float32 but the buffer float16"),
+        (buffer, mx.zeros((1, 3, 3, 64), mx.float16), 0, "does not match the buffer"),
+        (buffer, x, 6, "capacity overflow"),
+        (buffer, x, -1, "offset must be >= 0"),
+        (mx.zeros((1, 2, 8, 64), mx.int32), x, 0, "buffer must be float32, float16 or bfloat16"),
+        (buffer[0], x, 0, "must be (B, H, capacity, D)"),
+    ]
+    for buf, xx, offset, message in cases:
+        with pytest.raises(ValueError) as excinfo:
+            _ext.write_tokens(buf, xx, offset)
+        assert "[turboquant_mlx.write_tokens]" in str(excinfo.value)
+        assert message in str(excinfo.value)
+
+
 def test_quantize_append_reads_strided_tokens():
     # Models hand over (B, L, H, D) projections transposed to (B, H, L, D).
     rng = np.random.default_rng(11)

@@ -143,7 +143,7 @@ step_suite() {
   (cd tests && run_step suite "${TQ_SUITE_TIMEOUT:-240}" python3 -m pytest -v -ra \
     -p no:cacheprovider --device gpu "${per_test[@]}" \
     test_ops.py test_cache.py test_integration.py test_reference.py test_codebook.py \
-    test_generate_cli.py test_gguf.py ${TQ_SUITE_ARGS:-})
+    test_generate_cli.py test_gguf.py test_bench.py ${TQ_SUITE_ARGS:-})
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/suite.log" | tail -40
 }
 

@@ -13,6 +13,12 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     mx::array& output);
 
+void write_tokens(
+    const WriteTokens& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& output);
+
 void attention(
     const CompressedAttention& prim,
     const mx::Stream& s,

@@ -19,12 +19,17 @@ constexpr float kMaxFloat16 = 65504.0f;
 
 // Makes `out` hold the cache buffer: the input's own buffer when it can be donated or
 // the caller asked for in_place (the O(new tokens) path), otherwise a copy.
-void take_buffer(const mx::array& in, mx::array& out, bool in_place, const mx::Stream& s) {
+void take_buffer(
+    const char* op,
+    const mx::array& in,
+    mx::array& out,
+    bool in_place,
+    const mx::Stream& s) {
   if (in.flags().row_contiguous && (in_place || in.is_donatable())) {
     out.copy_shared_buffer(in);
     return;
   }
-  count_buffer_copy("quantize_append", in);
+  count_buffer_copy(op, in);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(in);
@@ -60,7 +65,7 @@ void quantize_append(
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  take_buffer(inputs[0], out, prim.in_place(), s);
+  take_buffer("quantize_append", inputs[0], out, prim.in_place(), s);
   auto& x = inputs[1];
   auto& centroids = inputs[2];
 
@@ -171,6 +176,42 @@ void quantize_append(
             codes_ptr + slot * words);
       } else {
         scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
+      }
+    }
+  });
+}
+
+void write_tokens(
+    const WriteTokens& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  take_buffer("write_tokens", inputs[0], out, true, s);
+  const auto& x = inputs[1];
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  encoder.set_input_array(x);
+  encoder.set_output_array(out);
+  encoder.dispatch([src = x.data<char>(),
+                    dst = out.data<char>(),
+                    itemsize = int64_t(x.itemsize()),
+                    shape = x.shape(),
+                    xs = x.strides(),
+                    os = out.strides(),
+                    offset = int64_t(prim.offset())]() {
+    const int64_t D = shape[3];
+    for (int64_t b = 0; b < shape[0]; ++b) {
+      for (int64_t h = 0; h < shape[1]; ++h) {
+        for (int64_t l = 0; l < shape[2]; ++l) {
+          char* to = dst + (b * os[0] + h * os[1] + (offset + l) * os[2]) * itemsize;
+          const char* from = src + (b * xs[0] + h * xs[1] + l * xs[2]) * itemsize;
+          if (xs[3] == 1) {
+            std::memcpy(to, from, D * itemsize);
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              std::memcpy(to + d * itemsize, from + d * xs[3] * itemsize, itemsize);
+            }
+          }
+        }
       }
     }
   });

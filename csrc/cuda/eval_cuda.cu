@@ -309,6 +309,7 @@ mx::array row_contiguous(const mx::array& a, mx::cu::CommandEncoder& enc) {
 /// owns, and a cache buffer in the pool above could then never be reused again --
 /// every later append would copy it.
 void take_buffer(
+    const char* op,
     const mx::array& in,
     mx::array& out,
     bool in_place,
@@ -317,7 +318,7 @@ void take_buffer(
     out.copy_shared_buffer(in);
     return;
   }
-  count_buffer_copy("quantize_append", in);
+  count_buffer_copy(op, in);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   copy_into(in, out, enc);
 }
@@ -449,7 +450,7 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
   auto& enc = mx::cu::get_command_encoder(s);
-  take_buffer(inputs[0], out, prim.in_place(), enc);
+  take_buffer("quantize_append", inputs[0], out, prim.in_place(), enc);
   const mx::array x = last_axis_contiguous(inputs[1], enc);
   auto& cent = inputs[2];
   const int head_dim = x.shape(3);
@@ -739,6 +740,36 @@ void attention(
         fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, qp, tkp, tvp,
         kmp, vmp, outp, lsep, mp);
   }
+}
+
+void write_tokens(
+    const WriteTokens& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  take_buffer("write_tokens", inputs[0], out, true, enc);
+  const mx::array& x = inputs[1];
+  // The copy kernel gathering x into the strided token block [offset, offset + L).
+  TQCopyParams p{};
+  for (int a = 0; a < 4; ++a) {
+    p.shape[a] = x.shape(a);
+    p.stride[a] = x.strides()[a];
+    p.dst_stride[a] = out.strides()[a];
+  }
+  p.size = static_cast<int64_t>(x.size());
+  p.dst_strided = 1;
+  if (p.size == 0) {
+    return;
+  }
+  auto f = get_function(ck::copy_kernel(static_cast<int>(x.itemsize())), "write_tokens");
+  enc.set_input_array(x);
+  enc.set_output_array(out);
+  const void* src = mx::gpu_ptr<void>(x);
+  void* dst = static_cast<char*>(mx::gpu_ptr<void>(out)) +
+      int64_t(prim.offset()) * out.strides()[2] * int64_t(out.itemsize());
+  dim3 grid(static_cast<unsigned>((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
 }
 
 void dequantize(

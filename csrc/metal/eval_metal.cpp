@@ -404,6 +404,11 @@ void attention(
   }
 }
 
+void write_tokens(const WriteTokens&, const mx::Stream&, const std::vector<mx::array>&, mx::array&) {
+  // (the Python layer writes on Metal streams with MLX's slice_update instead)
+  throw std::runtime_error("[turboquant_mlx.write_tokens] has no Metal kernel in this build.");
+}
+
 void dequantize(
     const Dequantize& prim,
     const mx::Stream& s,
