@@ -243,15 +243,22 @@ T* mptr(mx::array& a) {
 }
 
 /// Writes a row-contiguous copy of `in` (4- or 2-byte elements, up to 4 axes) into
-/// `out`'s memory.
-void copy_into(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc) {
+/// `out`'s memory; with `at_token` >= 0 (4-axis arrays that agree but in their tokens,
+/// axis 2), into out's tokens [at_token, at_token + in.shape(2)) along out's strides.
+void copy_into(
+    const mx::array& in,
+    mx::array& out,
+    mx::cu::CommandEncoder& enc,
+    int at_token = -1) {
   TQCopyParams p{};
   int nd = in.ndim();
   for (int a = 0; a < 4; ++a) {
     int src = a - (4 - nd);
     p.shape[a] = src >= 0 ? in.shape(src) : 1;
     p.stride[a] = src >= 0 ? in.strides()[src] : 0;
+    p.dst_stride[a] = at_token >= 0 ? out.strides()[a] : 0;
   }
+  p.dst_strided = at_token >= 0 ? 1 : 0;
   p.size = static_cast<int64_t>(in.size());
   if (p.size == 0) {
     return;
@@ -260,7 +267,8 @@ void copy_into(const mx::array& in, mx::array& out, mx::cu::CommandEncoder& enc)
   enc.set_input_array(in);
   enc.set_output_array(out);
   const void* src = mx::gpu_ptr<void>(in);
-  void* dst = mx::gpu_ptr<void>(out);
+  void* dst = static_cast<char*>(mx::gpu_ptr<void>(out)) +
+      (at_token >= 0 ? int64_t(at_token) * out.strides()[2] * int64_t(out.itemsize()) : 0);
   dim3 grid(static_cast<unsigned>((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
   enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
 }
@@ -749,27 +757,7 @@ void write_tokens(
     mx::array& out) {
   auto& enc = mx::cu::get_command_encoder(s);
   take_buffer("write_tokens", inputs[0], out, true, enc);
-  const mx::array& x = inputs[1];
-  // The copy kernel gathering x into the strided token block [offset, offset + L).
-  TQCopyParams p{};
-  for (int a = 0; a < 4; ++a) {
-    p.shape[a] = x.shape(a);
-    p.stride[a] = x.strides()[a];
-    p.dst_stride[a] = out.strides()[a];
-  }
-  p.size = static_cast<int64_t>(x.size());
-  p.dst_strided = 1;
-  if (p.size == 0) {
-    return;
-  }
-  auto f = get_function(ck::copy_kernel(static_cast<int>(x.itemsize())), "write_tokens");
-  enc.set_input_array(x);
-  enc.set_output_array(out);
-  const void* src = mx::gpu_ptr<void>(x);
-  void* dst = static_cast<char*>(mx::gpu_ptr<void>(out)) +
-      int64_t(prim.offset()) * out.strides()[2] * int64_t(out.itemsize());
-  dim3 grid(static_cast<unsigned>((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
-  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
+  copy_into(inputs[1], out, enc, prim.offset());
 }
 
 void dequantize(
