@@ -8,6 +8,7 @@ Prints the stall reasons (warps stalled per issued instruction, largest first) a
 SASS instructions with the most stall samples, each with its leading stall reasons.
 """
 
+import collections
 import csv
 import io
 import subprocess
@@ -27,6 +28,38 @@ def number(s):
         return float(s.replace(",", ""))
     except ValueError:
         return None
+
+
+def regions(body, head, si):
+    """The source rows split by how often each instruction ran: the per-iteration code
+    (run at least 8 times as often as the most common count, which is once per warp),
+    what comes before its first instruction (the set-up: tables, queries, first copies)
+    and after its last (the warps' merge, the results), and the rest of that span (code
+    some iterations take). Address order alone misleads: parts of the unrolled loop sit
+    before its first mma. None without an execution count column or a loop."""
+    if "Instructions Executed" not in head:
+        return None
+    ei = head.index("Instructions Executed")
+    runs = [number(r[ei]) or 0.0 for r in body]
+    counts = collections.Counter(x for x in runs if x > 0)
+    if not counts:
+        return None
+    per_iteration = 8 * counts.most_common(1)[0][0]
+    loop = [i for i, x in enumerate(runs) if x >= per_iteration]
+    if not loop:
+        return None
+    parts = {"set-up (before the loop)": [], "per-iteration code": [],
+             "code some iterations take": [], "after the loop": []}
+    for i, r in enumerate(body):
+        if runs[i] >= per_iteration:
+            parts["per-iteration code"].append(r)
+        elif i < loop[0]:
+            parts["set-up (before the loop)"].append(r)
+        elif i > loop[-1]:
+            parts["after the loop"].append(r)
+        else:
+            parts["code some iterations take"].append(r)
+    return parts
 
 
 def main():
@@ -68,15 +101,11 @@ def main():
     ]
     body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
     total = sum(number(r[si]) for r in body) or 1.0
-    # where the samples fall: before the first mma (tables, queries, first copies), from
-    # the first to the last (the key loop) and after it (the warps' merge, the results)
-    mma = [i for i, r in enumerate(body) if "HMMA" in r[1]]
-    if mma:
-        parts = {"before the first mma": body[: mma[0]], "key loop": body[mma[0] : mma[-1] + 1],
-                 "after the last mma": body[mma[-1] + 1 :]}
-        print("\nstall samples by region:")
+    parts = regions(body, head, si)
+    if parts:
+        print("\nstall samples by region (by how often each instruction ran):")
         for name, rs in parts.items():
-            print(f"  {name:22s} {100 * sum(number(r[si]) for r in rs) / total:5.1f}%  ({len(rs)} instructions)")
+            print(f"  {name:34s} {100 * sum(number(r[si]) for r in rs) / total:5.1f}%  ({len(rs)} instructions)")
     print(f"\ntotal stall samples {total:.0f}; top {top} instructions:")
     for r in sorted(body, key=lambda r: -number(r[si]))[:top]:
         why = sorted(((number(r[i]) or 0.0, head[i]) for i in reasons), reverse=True)[:3]

@@ -694,7 +694,9 @@ void attention(
     op = mptr<float>(o_part);
     mlp = mptr<float>(ml_part);
   }
-  if (!partials || merge_count != nullptr) {
+  // The node that writes out and lse (the attention kernel, or the merge kernel after
+  // it) reads the tail and the means.
+  auto final_node_io = [&] {
     for (const auto& a : tail) {
       enc.set_input_array(a);
     }
@@ -703,6 +705,9 @@ void attention(
     }
     enc.set_output_array(out);
     enc.set_output_array(lse);
+  };
+  if (!partials || merge_count != nullptr) {
+    final_node_io();
   }
   const void* qp = mx::gpu_ptr<void>(qk);
   const unsigned int* kcp = cptr<unsigned int>(kc);
@@ -732,16 +737,9 @@ void attention(
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
     auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
-    for (const auto& a : tail) {
-      enc.set_input_array(a);
-    }
-    for (const auto& a : means) {
-      enc.set_input_array(a);
-    }
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
-    enc.set_output_array(out);
-    enc.set_output_array(lse);
+    final_node_io();
     const float* opc = op;
     const float* mlc = mlp;
     enc.add_kernel_node_ex(
