@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=36, help="tokens of the window-sized arrays")
     p.add_argument("--sync", action="store_true", help="evaluate each chain before the next")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens held by the attention kinds' caches")
+    p.add_argument("--kinds", default="", help="comma-separated substrings of the kinds to run")
     return p.parse_args(argv)
 
 
@@ -75,8 +78,40 @@ def kinds(a):
             st["codes"], st["scales"], x, st["cent"], i, 4)
         return x + 0.0 * st["scales"][:, :, i : i + 1, None]
 
+    def quantize_append_in_place(st, x):
+        i = st["i"] = (st["i"] + 1) % 1024
+        st["codes"], st["scales"] = ops.quantize_append(
+            st["codes"], st["scales"], x, st["cent"], i, 4, in_place=True)
+        return x + 0.0 * st["scales"][:, :, i : i + 1, None]
+
+    def write_tokens(st, x):
+        # an fp16 cache's append that writes its buffer in place (bench_decode.py's
+        # fp16:inplace), against the slice update above
+        i = st["i"] = (st["i"] + 1) % W
+        st["win"] = _ext.write_tokens(st["win"], x.astype(st["win"].dtype), i)
+        return st["win"][:, :, i : i + 1].astype(mx.float32)
+
+    C, G = a.context, 4  # a decode step's attention of 4 query heads per KV head
+
+    def compressed_attention(st, x):
+        q = mx.repeat(x, G, axis=1).astype(mx.float16)
+        out, _ = ops.compressed_attention(
+            q, st["kc"], st["ks"], st["kc"], st["ks"], st["cent"], st["cent"], C,
+            D**-0.5, 4, 4, False, rotation_signs=st["signs"])
+        return out[:, ::G]
+
+    def sdpa(st, x):
+        q = mx.repeat(x, G, axis=1).astype(mx.float16)
+        out = mx.fast.scaled_dot_product_attention(q, st["kf"], st["kf"], scale=D**-0.5)
+        return out[:, ::G].astype(mx.float32)
+
     def setup():
+        wpt = _ext.words_per_token(D, 4)
         return {
+            "kc": mx.random.randint(0, 2**31, (1, H, C, wpt)).astype(mx.uint32),
+            "ks": mx.full((1, H, C), 0.1, dtype=mx.float16),
+            "kf": mx.random.normal((1, H, C, D)).astype(mx.float16),
+            "signs": [1.0 - 2.0 * (j % 3 == 0) for j in range(D)],
             "m": mx.zeros(tok, dtype=mx.float32),
             "win": mx.zeros((1, H, W, D), dtype=mx.float16),
             "i": 0,
@@ -94,6 +129,10 @@ def kinds(a):
         "slice update (in place)": (setup, slice_update),
         "strided slice copy": (setup, strided_copy),
         "quantize_append (codes+scales)": (setup, quantize_append),
+        "quantize_append, in place": (setup, quantize_append_in_place),
+        "write_tokens (fp16, in place)": (setup, write_tokens),
+        f"compressed_attention K4V4 ({C} tokens)": (setup, compressed_attention),
+        f"fp16 SDPA ({C} tokens)": (setup, sdpa),
     }
 
 
@@ -141,7 +180,10 @@ def main(argv=None):
           f"{_ext.gpu_backend()} ({_ext.gpu_available()}); chains of {a.ops} operations, "
           f"{'sync' if a.sync else 'pipelined'}, median of {a.steps}")
     rows, base = [], None
+    wanted = [w for w in a.kinds.split(",") if w]
     for name, (setup, op) in kinds(a).items():
+        if wanted and not any(w in name for w in wanted):
+            continue
         us = time_kind(setup, op, a) * 1e6
         base = base or us
         rows.append(f"| {name} | {us:.1f} | {us / base:.2f} |")
