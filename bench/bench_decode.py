@@ -36,7 +36,9 @@ widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``PRESET@wN`` (that preset with its last N tokens in fp16),
 ``NAME:hostrot`` (cache NAME with the rotations run as their own
 ``mx.hadamard_transform`` kernels around the ops instead of inside them, as with
-TURBOQUANT_OP_ROTATION=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+TURBOQUANT_OP_ROTATION=0), ``NAME:nodes`` (cache NAME with each in-place append built
+as one graph node per buffer, as before they became one node for codes and scales:
+TURBOQUANT_APPEND_NODES=2), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -50,6 +52,7 @@ Usage:
 
 import argparse
 import gc
+import os
 import re
 import statistics
 import sys
@@ -131,18 +134,27 @@ def weight_bytes(model):
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-class op_rotation:
-    """Runs the enclosed calls with the ops rotating (the default), or, for a cache
-    name ending in ``:hostrot``, with the rotations around the ops."""
+class variant:
+    """Runs the enclosed calls as the cache name's variant asks: for a name ending in
+    ``:hostrot``, with the rotations around the ops instead of inside them; for one
+    ending in ``:nodes``, with in-place appends built as one node per buffer
+    (TURBOQUANT_APPEND_NODES=2) instead of one node for codes and scales."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
+        self.nodes = "2" if name.endswith(":nodes") else None
 
     def __enter__(self):
         self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
+        self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
+        if self.nodes:
+            os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
 
     def __exit__(self, *exc):
         tq_cache._OP_ROTATION = self.saved
+        os.environ.pop("TURBOQUANT_APPEND_NODES", None)
+        if self.saved_nodes is not None:
+            os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
         return False
 
 
@@ -167,7 +179,7 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = name.removesuffix(":hostrot")
+    name = name.removesuffix(":hostrot").removesuffix(":nodes")
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":
@@ -309,7 +321,7 @@ def main(argv=None):
             try:
                 t1 = time.perf_counter()
                 caches = make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
-                with op_rotation(name):
+                with variant(name):
                     fill(caches, ctx, a, dtype)
                 held[name] = caches
                 t_fill[name] = time.perf_counter() - t1
@@ -325,7 +337,7 @@ def main(argv=None):
         for r in range(a.rounds):
             for name in order[r % len(order):] + order[: r % len(order)]:
                 try:
-                    with op_rotation(name):
+                    with variant(name):
                         t, peak, ok, cp = time_decode(model, held[name], a)
                 except Exception as e:
                     errors[name] = e

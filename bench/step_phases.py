@@ -55,13 +55,13 @@ def main(argv=None):
         held = {}
         for name in names:
             caches = bd.make_caches(model, name, ctx + a.rounds * (a.steps + 2) + 1)
-            with bd.op_rotation(name):
+            with bd.variant(name):
                 bd.fill(caches, ctx, a, dtype)
             held[name] = caches
         times = {n: {"build": [], "launch": [], "wait": []} for n in names}
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                with bd.op_rotation(name):
+                with bd.variant(name):
                     got = phases(model, held[name], a.steps + 2)
                 for k, v in got.items():
                     times[name][k] += v

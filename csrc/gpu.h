@@ -16,12 +16,13 @@ bool available();
 /// Name of the GPU backend compiled in: "cuda", "metal" or "none".
 const char* backend_name();
 
-/// One QuantizeAppend node: writes prim.target() (codes or scales) into outputs[0].
+/// One QuantizeAppend node: writes the buffers it names (codes, scales or both, in one
+/// kernel launch) into its outputs.
 void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& output);
+    std::vector<mx::array>& outputs);
 
 /// One WriteTokens node (CUDA; the Python layer keeps Metal streams off it).
 void write_tokens(

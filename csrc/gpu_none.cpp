@@ -26,7 +26,7 @@ void quantize_append(
     const QuantizeAppend&,
     const mx::Stream&,
     const std::vector<mx::array>&,
-    mx::array&) {
+    std::vector<mx::array>&) {
   no_kernels("quantize_append");
 }
 

@@ -1,5 +1,7 @@
 #include "ops.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include "message.h"
@@ -159,6 +161,15 @@ std::optional<SignedHadamard> signed_hadamard(
   return r;
 }
 
+// Whether an in-place append is one node for codes and scales (the default) or, with
+// TURBOQUANT_APPEND_NODES=2, one node per buffer as a donating append is: a switch for
+// measuring what the single node saves. Read at each call, so that one process can time
+// both.
+bool in_place_append_one_node() {
+  const char* v = std::getenv("TURBOQUANT_APPEND_NODES");
+  return v == nullptr || std::strcmp(v, "2") != 0;
+}
+
 // An input as the backend's kernels read it. The CPU kernels read row-major float32;
 // the GPU backends take any layout (their eval copies what their kernels cannot read
 // through strides) and float16/bfloat16 as they are, so a decode step gets no
@@ -263,18 +274,26 @@ std::vector<mx::array> quantize_append(
   if (mean) {
     rest.push_back(mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
   }
+  auto prim = [&](AppendTarget target) {
+    return std::make_shared<QuantizeAppend>(
+        stream, bits, offset, target, rotation, mean.has_value(), in_place);
+  };
+  if (in_place && in_place_append_one_node()) {
+    // One node writes both buffers (no donation needed; see QuantizeAppend).
+    std::vector<mx::array> inputs = {codes, scales};
+    inputs.insert(inputs.end(), rest.begin(), rest.end());
+    return mx::array::make_arrays(
+        {codes.shape(), scales.shape()},
+        {codes.dtype(), scales.dtype()},
+        prim(AppendTarget::Both),
+        std::move(inputs));
+  }
   // The cache buffers go in as they are, one node each, so each node can donate its
-  // buffer; a node copies it only if it is not row-contiguous or, without in_place,
-  // referenced elsewhere.
+  // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
   auto node = [&](const mx::array& buffer, AppendTarget target) {
     std::vector<mx::array> inputs = {buffer};
     inputs.insert(inputs.end(), rest.begin(), rest.end());
-    return mx::array(
-        buffer.shape(),
-        buffer.dtype(),
-        std::make_shared<QuantizeAppend>(
-            stream, bits, offset, target, rotation, mean.has_value(), in_place),
-        std::move(inputs));
+    return mx::array(buffer.shape(), buffer.dtype(), prim(target), std::move(inputs));
   };
   return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
 }

@@ -5,12 +5,16 @@
 
 namespace turboquant_mlx {
 
-void QuantizeAppend::eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) {
-  cpu::quantize_append(*this, stream(), inputs, output);
+void QuantizeAppend::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  cpu::quantize_append(*this, stream(), inputs, outputs);
 }
 
-void QuantizeAppend::eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) {
-  gpu::quantize_append(*this, stream(), inputs, output);
+void QuantizeAppend::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  gpu::quantize_append(*this, stream(), inputs, outputs);
 }
 
 bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {

@@ -40,27 +40,35 @@ inline TQRotation kernel_rotation(const std::optional<SignedHadamard>& r, int he
   return k;
 }
 
-/// Which cache buffer a QuantizeAppend node writes.
-enum class AppendTarget { Codes, Scales };
+/// Which cache buffers a QuantizeAppend node writes.
+enum class AppendTarget { Codes, Scales, Both };
 
 /// Quantizes rotated tokens (or model-space tokens it rotates itself, when it holds a
-/// rotation) and writes either their packed codes or their scales into a cache buffer
-/// at `offset`. The op builds one node per buffer: a node with several
-/// outputs can never reuse (donate) its inputs' buffers in MLX, because every output
-/// holds a reference to the inputs; single-output nodes can, which makes an append
-/// O(new tokens). Each node re-derives the codes of the few new tokens, which is cheap.
-/// inputs:  buffer (codes (B,H,cap,W) u32 or scales (B,H,cap) f16), x (B,H,L,D) float
-///          (float32 on the CPU; GPUs also read float16/bfloat16), centroids (2^b) f32
-///          [, mean (B,H,1,D) f32 when centered: x - mean is quantized]
-/// outputs: the buffer (shares the input buffer when donatable or in_place, else a copy)
+/// rotation) and writes their packed codes, their scales, or both into the cache
+/// buffers at `offset`.
 ///
-/// in_place: the node writes into the input buffer even while other arrays still
-/// reference it. MLX keeps every op input alive until the GPU has run the op, so under
-/// pipelined decoding (the next step's graph evaluated while the GPU still runs the
-/// current one) a cache buffer is never donatable and each append would copy all of
-/// it. A cache that owns its buffers asks for in_place: the append writes only the
+/// Without in_place the op builds one node per buffer (Codes, Scales): a node with
+/// several outputs can never reuse (donate) its inputs' buffers in MLX, because every
+/// output holds a reference to the inputs; single-output nodes can, which makes an
+/// append O(new tokens). Each node re-derives the codes of the few new tokens, which is
+/// cheap. With in_place no donation is needed, and one node (Both) writes both buffers
+/// in one kernel launch: half the nodes of a decode step's appends, whose host cost
+/// (graph node, eval, launch) is what a short-context step is made of.
+///
+/// inputs:  the buffers written (codes (B,H,cap,W) u32 and/or scales (B,H,cap) f16, in
+///          that order), x (B,H,L,D) float (float32 on the CPU; GPUs also read
+///          float16/bfloat16), centroids (2^b) f32
+///          [, mean (B,H,1,D) f32 when centered: x - mean is quantized]
+/// outputs: the buffers (each shares its input buffer when donatable or in_place, else
+///          a copy)
+///
+/// in_place: the node writes into the input buffers even while other arrays still
+/// reference them. MLX keeps every op input alive until the GPU has run the op, so
+/// under pipelined decoding (the next step's graph evaluated while the GPU still runs
+/// the current one) a cache buffer is never donatable and each append would copy all
+/// of it. A cache that owns its buffers asks for in_place: the append writes only the
 /// slots [offset, offset + L), which no earlier reader of the cache looks at.
-class QuantizeAppend : public mx::UnaryPrimitive {
+class QuantizeAppend : public mx::Primitive {
  public:
   QuantizeAppend(
       mx::Stream stream,
@@ -70,7 +78,7 @@ class QuantizeAppend : public mx::UnaryPrimitive {
       std::optional<SignedHadamard> rotation = std::nullopt,
       bool centered = false,
       bool in_place = false)
-      : mx::UnaryPrimitive(stream),
+      : mx::Primitive(stream),
         bits_(bits),
         offset_(offset),
         target_(target),
@@ -78,35 +86,56 @@ class QuantizeAppend : public mx::UnaryPrimitive {
         centered_(centered),
         in_place_(in_place) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
 
   const char* name() const override {
-    return target_ == AppendTarget::Codes ? "QuantizeAppendCodes" : "QuantizeAppendScales";
+    return target_ == AppendTarget::Codes ? "QuantizeAppendCodes"
+        : target_ == AppendTarget::Scales ? "QuantizeAppendScales"
+                                          : "QuantizeAppend";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    std::vector<mx::Shape> shapes;
+    for (int i = 0; i < buffers(); ++i) {
+      shapes.push_back(inputs[i].shape());
+    }
+    return shapes;
   }
 
+  /// Buffers written: inputs[0, buffers()) and the outputs, in the same order; x is
+  /// inputs[buffers()].
+  int buffers() const {
+    return target_ == AppendTarget::Both ? 2 : 1;
+  }
+  bool writes_codes() const {
+    return target_ != AppendTarget::Scales;
+  }
+  bool writes_scales() const {
+    return target_ != AppendTarget::Codes;
+  }
+  /// Kernel flags (TQ_WRITE_CODES | TQ_WRITE_SCALES) of the buffers written.
+  int write_flags() const {
+    return (writes_codes() ? TQ_WRITE_CODES : 0) | (writes_scales() ? TQ_WRITE_SCALES : 0);
+  }
   int bits() const {
     return bits_;
   }
   int offset() const {
     return offset_;
   }
-  AppendTarget target() const {
-    return target_;
-  }
   /// Set: x is in model space and is rotated before quantizing.
   const std::optional<SignedHadamard>& rotation() const {
     return rotation_;
   }
-  /// Set: inputs[3] is a per-head mean subtracted from x before anything else.
+  /// Set: inputs[buffers() + 2] is a per-head mean subtracted from x before anything
+  /// else.
   bool centered() const {
     return centered_;
   }
-  /// Set: the input buffer is written in place even when it is referenced elsewhere.
+  /// Set: the input buffers are written in place even when referenced elsewhere.
   bool in_place() const {
     return in_place_;
   }

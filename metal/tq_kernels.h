@@ -844,12 +844,14 @@ TQ_FN void tq_attention_merge_impl(
 // ============================================================================ quantize
 
 /// Quantizes token vectors of x (rotated space, or model space rotated here when
-/// p.rot.on; minus the head's mean first when p.centered) and writes their packed codes or their scales into the cache buffer at
-/// token slot offset + position. One simdgroup per vector; the arithmetic follows
-/// docs/ARCHITECTURE.md in the same order as the CPU backend (sequential float32 sums,
-/// never fused), so that codes and scales match it bit for bit.
+/// p.rot.on; minus the head's mean first when p.centered) and writes their packed codes,
+/// their scales or both (p.write) into the cache buffers at token slot offset +
+/// position. One simdgroup per vector; the arithmetic follows docs/ARCHITECTURE.md in
+/// the same order as the CPU backend (sequential float32 sums, never fused), so that
+/// codes and scales match it bit for bit.
 ///   x (batch, heads, length, D) XT (float, half, bfloat16 bits); cent (2^B) float
-///   codes (batch, heads, cap, D*B/32) uint [write_codes]; scales (batch, heads, cap) half
+///   codes (batch, heads, cap, D*B/32) uint [TQ_WRITE_CODES];
+///   scales (batch, heads, cap) half [TQ_WRITE_SCALES]
 ///   mean (batch, heads, D) float [centered]
 /// Grid: ceil(batch*heads*length / TQ_QUANT_SIMDGROUPS) threadgroups of TQ_QUANT_THREADS;
 /// smem: 32 + TQ_QUANT_SIMDGROUPS * 2 * D floats.
@@ -928,7 +930,7 @@ TQ_FN void tq_quantize_impl(
   }
   tq_simdgroup_barrier();
 
-  if (p.write_codes != 0) {
+  if ((p.write & TQ_WRITE_CODES) != 0) { // uniform
     // Lane w assembles word w of the LSB-first bit stream.
     const int w = int(th.lane);
     if (w < W) {
@@ -942,7 +944,8 @@ TQ_FN void tq_quantize_impl(
       }
       codes[b * p.c_stride[0] + h * p.c_stride[1] + (p.offset + pos) * p.c_stride[2] + w] = word;
     }
-  } else if (th.lane == 0) {
+  }
+  if ((p.write & TQ_WRITE_SCALES) != 0 && th.lane == 0) {
     float cn2 = 0.0f;
     for (int i = 0; i < D; ++i) {
       const float c = tab[int(cv[i])];

@@ -15,6 +15,9 @@
 #define TQ_MERGE_THREADS 128
 #define TQ_QUANT_SIMDGROUPS 4
 #define TQ_QUANT_THREADS (TQ_QUANT_SIMDGROUPS * 32)
+// TQQuantParams::write: the cache buffers a quantize launch writes.
+#define TQ_WRITE_CODES 1
+#define TQ_WRITE_SCALES 2
 #define TQ_DEQUANT_THREADS 256
 #define TQ_COPY_THREADS 256
 /// Most key splits one attention call uses (the merge keeps one weight per split in
@@ -129,7 +132,7 @@ struct TQQuantParams {
   int heads;
   int length;
   int offset; // first token slot written
-  int write_codes; // 1: write packed codes, 0: write scales
+  int write; // TQ_WRITE_CODES | TQ_WRITE_SCALES: the buffers written
   int centered; // 1: quantize x - mean (before the rotation)
   TQRotation rot; // rot.on: x is in model space, the kernel rotates it first
 };

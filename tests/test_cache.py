@@ -501,7 +501,7 @@ def test_trim_then_append_leaves_earlier_arrays_unchanged():
     before = np.array(keys)
     assert cache.trim(10) == 10
     cache.update_and_fetch(_rand(rng, (1, 2, 10, 64)), _rand(rng, (1, 2, 10, 64)))
-    mx.eval(cache._k_codes, cache._v_codes)
+    mx.eval(cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales)
     for a, snap in zip(state, snapshot):
         np.testing.assert_array_equal(np.array(a), snap)
     np.testing.assert_array_equal(np.array(keys), before)

@@ -92,12 +92,15 @@ def test_quantize_append_bit_exact_vs_cpu(head_dim, bits):
     )
 
 
+@pytest.mark.parametrize("in_place", (False, True), ids=("nodes", "in_place"))
 @pytest.mark.parametrize("x_dtype", (mx.float32, mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("head_dim", (32, 64, 128, 256))
-def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype):
+def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype, in_place):
     # Model-space tokens rotated by the kernels: the GPU's butterflies pair the same
-    # operands as the CPU backend's, so codes and scales still match bit for bit.
+    # operands as the CPU backend's, so codes and scales still match bit for bit. With
+    # in_place the GPU's one launch writes both buffers (the CPU reference: one node
+    # per buffer).
     rng = np.random.default_rng(300 * head_dim + bits)
     batch, heads, length, capacity, offset = 2, 3, 21, 30, 4
     words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
@@ -108,7 +111,7 @@ def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype):
     for device in (mx.Device(mx.cpu), gpu()):
         out = ops.quantize_append(
             mx.array(words), mx.array(scales), x, c, offset, bits, rotation_signs=signs,
-            stream=device,
+            in_place=in_place and device.type == mx.gpu, stream=device,
         )
         mx.eval(*out)
         results.append((bits_of(out[0]), bits_of(out[1])))

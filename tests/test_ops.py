@@ -239,6 +239,45 @@ def test_quantize_append_in_place_writes_a_referenced_buffer(buffer_kind):
         np.testing.assert_array_equal(np.array(old_codes), words)
 
 
+def _graph_nodes(tmp_path, *outputs):
+    """Labels of the graph nodes that compute ``outputs``."""
+    import re
+
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *outputs)
+    return re.findall(r'label ="([^"]+)"', path.read_text())
+
+
+def test_quantize_append_in_place_is_one_node(tmp_path):
+    # An in-place append needs no donation, so one node writes codes and scales (a
+    # decode step's host cost is per node); otherwise one node per buffer, each able to
+    # donate its buffer. Same codes and scales either way, with rotation and mean.
+    if not ops.has_kernels():
+        pytest.skip("the plain-MLX fallback builds no primitives")
+    rng = np.random.default_rng(6)
+    head_dim, bits = 64, 3
+    words, scales = poisoned_cache(rng, 1, 2, 12, head_dim, bits)
+    x = mx.array(random_tokens(rng, (1, 2, 3, head_dim)))
+    mean = mx.array(rng.standard_normal((1, 2, 1, head_dim)).astype(np.float32))
+    c = mx.array(centroids_np(head_dim, bits))
+    signs = Rotation(head_dim, seed=2).kernel_signs
+    results = {}
+    for in_place, nodes in ((True, ["QuantizeAppend"]),
+                            (False, ["QuantizeAppendCodes", "QuantizeAppendScales"])):
+        codes_in, scales_in = mx_cache(words, scales)
+        mx.eval(codes_in, scales_in)
+        out = ops.quantize_append(codes_in, scales_in, x, c, 4, bits, rotation_signs=signs,
+                                  mean=mean, in_place=in_place)
+        got = [n for n in _graph_nodes(tmp_path, *out) if n.startswith("QuantizeAppend")]
+        assert sorted(got) == nodes
+        mx.eval(*out)
+        results[in_place] = [np.array(o).view(np.uint32 if o.dtype == mx.uint32 else np.uint16)
+                             for o in out]
+    for a, b in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(results[True][0], words)  # something was written
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_write_tokens_in_place(dtype):
     # _ext.write_tokens (the benchmarks' fp16 cache that does not copy): x lands at

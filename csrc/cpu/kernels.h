@@ -11,7 +11,7 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& output);
+    std::vector<mx::array>& outputs);
 
 void write_tokens(
     const WriteTokens& prim,

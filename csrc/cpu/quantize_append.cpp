@@ -64,32 +64,37 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  take_buffer("quantize_append", inputs[0], out, prim.in_place(), s);
-  auto& x = inputs[1];
-  auto& centroids = inputs[2];
+    std::vector<mx::array>& outputs) {
+  const int nb = prim.buffers();
+  for (int i = 0; i < nb; ++i) {
+    take_buffer("quantize_append", inputs[i], outputs[i], prim.in_place(), s);
+  }
+  auto& x = inputs[nb];
+  auto& centroids = inputs[nb + 1];
 
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(x);
   encoder.set_input_array(centroids);
-  encoder.set_output_array(out);
+  for (auto& o : outputs) {
+    encoder.set_output_array(o);
+  }
 
   int batch = x.shape(0), heads = x.shape(1), length = x.shape(2), head_dim = x.shape(3);
-  int capacity = out.shape(2);
-  bool write_codes = prim.target() == AppendTarget::Codes;
-  int words = write_codes ? out.shape(3) : 0;
+  int capacity = outputs[0].shape(2);
+  int words = prim.writes_codes() ? outputs[0].shape(3) : 0;
   TQRotation rot = kernel_rotation(prim.rotation(), head_dim);
   const float* mean_ptr = nullptr;
   if (prim.centered()) {
-    encoder.set_input_array(inputs[3]);
-    mean_ptr = inputs[3].data<float>();
+    encoder.set_input_array(inputs[nb + 2]);
+    mean_ptr = inputs[nb + 2].data<float>();
   }
   encoder.dispatch([x_ptr = x.data<float>(),
                     mean_ptr,
                     rot,
                     c_ptr = centroids.data<float>(),
-                    codes_ptr = write_codes ? out.data<uint32_t>() : nullptr,
-                    scales_ptr = write_codes ? nullptr : out.data<mx::float16_t>(),
+                    codes_ptr = prim.writes_codes() ? outputs[0].data<uint32_t>() : nullptr,
+                    scales_ptr =
+                        prim.writes_scales() ? outputs[nb - 1].data<mx::float16_t>() : nullptr,
                     bits = prim.bits(),
                     offset = prim.offset(),
                     batch,
@@ -174,7 +179,8 @@ void quantize_append(
             head_dim,
             bits,
             codes_ptr + slot * words);
-      } else {
+      }
+      if (scales_ptr) {
         scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
       }
     }

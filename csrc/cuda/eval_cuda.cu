@@ -456,28 +456,29 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
+    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
-  take_buffer("quantize_append", inputs[0], out, prim.in_place(), enc);
-  const mx::array x = last_axis_contiguous(inputs[1], enc);
-  auto& cent = inputs[2];
+  const int nb = prim.buffers();
+  for (int i = 0; i < nb; ++i) {
+    take_buffer("quantize_append", inputs[i], outputs[i], prim.in_place(), enc);
+  }
+  mx::array* codes = prim.writes_codes() ? &outputs[0] : nullptr;
+  mx::array* scales = prim.writes_scales() ? &outputs[nb - 1] : nullptr;
+  const mx::array x = last_axis_contiguous(inputs[nb], enc);
+  auto& cent = inputs[nb + 1];
   const int head_dim = x.shape(3);
-  const bool codes = prim.target() == AppendTarget::Codes;
 
   TQQuantParams p{};
   for (int a = 0; a < 3; ++a) {
     p.x_stride[a] = x.strides()[a];
-    if (codes) {
-      p.c_stride[a] = out.strides()[a];
-    } else {
-      p.s_stride[a] = out.strides()[a];
-    }
+    p.c_stride[a] = codes ? codes->strides()[a] : 0;
+    p.s_stride[a] = scales ? scales->strides()[a] : 0;
   }
   p.batch = x.shape(0);
   p.heads = x.shape(1);
   p.length = x.shape(2);
   p.offset = prim.offset();
-  p.write_codes = codes ? 1 : 0;
+  p.write = prim.write_flags();
   const int64_t n = int64_t(p.batch) * p.heads * p.length;
   if (n == 0) {
     return;
@@ -485,7 +486,7 @@ void quantize_append(
   p.rot = kernel_rotation(prim.rotation(), head_dim);
   const float* mp = nullptr;
   if (prim.centered()) {
-    const mx::array mean = row_contiguous(inputs[3], enc);
+    const mx::array mean = row_contiguous(inputs[nb + 2], enc);
     p.mean_stride[0] = mean.strides()[0];
     p.mean_stride[1] = mean.strides()[1];
     p.centered = 1;
@@ -498,11 +499,13 @@ void quantize_append(
   auto f = get_function(ck::quantize_kernel(head_dim, prim.bits(), xt), "quantize_append");
   enc.set_input_array(x);
   enc.set_input_array(cent);
-  enc.set_output_array(out);
+  for (auto& o : outputs) {
+    enc.set_output_array(o);
+  }
   const void* xp = mx::gpu_ptr<void>(x);
   const float* cp = cptr<float>(cent);
-  unsigned int* cw = codes ? mptr<unsigned int>(out) : nullptr;
-  void* sc = codes ? nullptr : mx::gpu_ptr<void>(out);
+  unsigned int* cw = codes ? mptr<unsigned int>(*codes) : nullptr;
+  void* sc = scales ? mx::gpu_ptr<void>(*scales) : nullptr;
   dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
   enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, mp, cw, sc, p);
 }

@@ -197,11 +197,18 @@ void quantize_append(
     const QuantizeAppend& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
+    std::vector<mx::array>& outputs) {
   auto& d = mx::metal::device(s.device);
-  take_buffer(inputs[0], out, prim.in_place(), d, s);
-  const mx::array x = last_axis_contiguous(inputs[1], d, s);
-  auto& cent = inputs[2];
+  const int nb = prim.buffers();
+  for (int i = 0; i < nb; ++i) {
+    take_buffer(inputs[i], outputs[i], prim.in_place(), d, s);
+  }
+  // The buffer not written (a one-buffer node) is bound to the written one; the kernel
+  // touches only those p.write names.
+  mx::array& codes = outputs[0];
+  mx::array& scales = outputs[nb - 1];
+  const mx::array x = last_axis_contiguous(inputs[nb], d, s);
+  auto& cent = inputs[nb + 1];
   const int head_dim = x.shape(3);
   if (!supported_head_dim(head_dim)) {
     std::ostringstream msg;
@@ -210,28 +217,24 @@ void quantize_append(
         << head_dim << ".";
     throw std::invalid_argument(msg.str());
   }
-  const bool codes = prim.target() == AppendTarget::Codes;
   TQQuantParams p{};
   for (int a = 0; a < 3; ++a) {
     p.x_stride[a] = x.strides()[a];
-    if (codes) {
-      p.c_stride[a] = out.strides()[a];
-    } else {
-      p.s_stride[a] = out.strides()[a];
-    }
+    p.c_stride[a] = prim.writes_codes() ? codes.strides()[a] : 0;
+    p.s_stride[a] = prim.writes_scales() ? scales.strides()[a] : 0;
   }
   p.batch = x.shape(0);
   p.heads = x.shape(1);
   p.length = x.shape(2);
   p.offset = prim.offset();
-  p.write_codes = codes ? 1 : 0;
+  p.write = prim.write_flags();
   p.rot = kernel_rotation(prim.rotation(), head_dim);
   const int64_t n = int64_t(p.batch) * p.heads * p.length;
   if (n == 0) {
     return;
   }
   // Without a mean, slot 2 is bound to the centroids and never read.
-  const mx::array mean = prim.centered() ? row_contiguous(inputs[3], d, s) : cent;
+  const mx::array mean = prim.centered() ? row_contiguous(inputs[nb + 2], d, s) : cent;
   if (prim.centered()) {
     p.mean_stride[0] = mean.strides()[0];
     p.mean_stride[1] = mean.strides()[1];
@@ -248,10 +251,8 @@ void quantize_append(
   enc.set_input_array(x, 0);
   enc.set_input_array(cent, 1);
   enc.set_input_array(mean, 2);
-  // The unused one of codes / scales is bound to the output too; the kernel writes
-  // only the one p.write_codes names.
-  enc.set_output_array(out, 3);
-  enc.set_output_array(out, 4);
+  enc.set_output_array(codes, 3);
+  enc.set_output_array(scales, 4);
   enc.set_bytes(p, 5);
   enc.dispatch_threadgroups(
       MTL::Size((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS, 1, 1),
