@@ -444,8 +444,13 @@ std::pair<int, int> key_splits(int kv_len, int units, int target, int step, int 
 } // namespace
 
 bool available() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  // Asked by every op call on a GPU stream (ops.has_kernels); the answer cannot change
+  // while the process runs.
+  static const bool any = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  }();
+  return any;
 }
 
 const char* backend_name() {
