@@ -31,9 +31,17 @@ def _device(stream) -> mx.Device:
     return stream if isinstance(stream, mx.Device) else stream.device
 
 
+_gpu_kernels = None  # whether this build has kernels for the GPU (asked once)
+
+
 def has_kernels(stream=None) -> bool:
     """Whether the ops run hand-written kernels (not the fallback) on ``stream``."""
-    return _device(stream).type == mx.cpu or _ext.gpu_available()
+    global _gpu_kernels
+    if _gpu_kernels is None:
+        _gpu_kernels = bool(_ext.gpu_available())
+    # Every op call asks: a build with GPU kernels has them on every device, and then
+    # the stream need not be looked at.
+    return _gpu_kernels or _device(stream).type == mx.cpu
 
 
 def quantize_append(
