@@ -52,8 +52,7 @@ enum class AppendTarget { Codes, Scales, Both };
 /// output holds a reference to the inputs; single-output nodes can, which makes an
 /// append O(new tokens). Each node re-derives the codes of the few new tokens, which is
 /// cheap. With in_place no donation is needed, and one node (Both) writes both buffers
-/// in one kernel launch: half the nodes of a decode step's appends, whose host cost
-/// (graph node, eval, launch) is what a short-context step is made of.
+/// in one kernel launch: half the nodes and launches of a decode step's appends.
 ///
 /// inputs:  the buffers written (codes (B,H,cap,W) u32 and/or scales (B,H,cap) f16, in
 ///          that order), x (B,H,L,D) float (float32 on the CPU; GPUs also read
