@@ -24,7 +24,7 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 
-/// One WriteTokens node (CUDA; the Python layer keeps Metal streams off it).
+/// One WriteTokens node (CUDA; the Metal backend raises: it has no kernel for it).
 void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,

@@ -160,6 +160,27 @@ std::optional<SignedHadamard> signed_hadamard(
   return r;
 }
 
+// Token slots [offset, offset + length) of a buffer of `capacity` tokens, which an op
+// is `doing` (appending, writing) to: they must exist.
+void check_token_slots(const char* op, const char* doing, int offset, int length, int capacity) {
+  if (offset < 0) {
+    fail(op, "offset must be >= 0, got ", offset, ".");
+  }
+  if (static_cast<int64_t>(offset) + length > capacity) {
+    fail(
+        op,
+        "capacity overflow: ",
+        doing,
+        " ",
+        length,
+        " tokens at offset ",
+        offset,
+        " exceeds the capacity ",
+        capacity,
+        ".");
+  }
+}
+
 // Graph nodes of in-place appends of `tensors` tensors (a layer's keys and values: 2):
 // one (the default), or with TURBOQUANT_APPEND_NODES=2 one per tensor, =4 one per
 // buffer, as donating appends are: a switch for measuring what fewer nodes save. Read
@@ -259,21 +280,7 @@ PreparedAppend prepare_append(
         shape_str(codes.shape()),
         ".");
   }
-  int length = x.shape(2);
-  if (offset < 0) {
-    fail(op, "offset must be >= 0, got ", offset, ".");
-  }
-  if (static_cast<int64_t>(offset) + length > capacity) {
-    fail(
-        op,
-        "capacity overflow: appending ",
-        length,
-        " tokens at offset ",
-        offset,
-        " exceeds the capacity ",
-        capacity,
-        ".");
-  }
+  check_token_slots(op, "appending", offset, x.shape(2), capacity);
   PreparedAppend a{{bits, signed_hadamard(op, rotation_signs, head_dim), mean.has_value()}, {}};
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
   a.rest = {kernel_input(x, stream, true), mx::astype(centroids, mx::float32, stream)};
@@ -434,20 +441,7 @@ mx::array write_tokens(
         shape_str(buffer.shape()),
         " in batch, heads or head dim.");
   }
-  if (offset < 0) {
-    fail(op, "offset must be >= 0, got ", offset, ".");
-  }
-  if (static_cast<int64_t>(offset) + x.shape(2) > buffer.shape(2)) {
-    fail(
-        op,
-        "capacity overflow: writing ",
-        x.shape(2),
-        " tokens at offset ",
-        offset,
-        " exceeds the capacity ",
-        buffer.shape(2),
-        ".");
-  }
+  check_token_slots(op, "writing", offset, x.shape(2), buffer.shape(2));
   auto stream = mx::to_stream(s);
   return mx::array(
       buffer.shape(), buffer.dtype(), std::make_shared<WriteTokens>(stream, offset), {buffer, x});

@@ -66,8 +66,7 @@ struct AppendPart {
 /// append O(new tokens). Each node re-derives the codes of the few new tokens, which is
 /// cheap. With in_place no donation is needed, and one node (Both) writes both buffers
 /// of each of its parts, one kernel launch per part: a layer's decode-step append is
-/// one node instead of four, and a short-context step's time is its nodes' host cost
-/// (graph node, eval, launch).
+/// one node instead of four.
 ///
 /// inputs, per part: the buffers written (codes (B,H,cap,W) u32 and/or scales (B,H,cap)
 ///          f16, in that order), x (B,H,L,D) float (float32 on the CPU; GPUs also read

@@ -426,7 +426,7 @@ void attention(
 }
 
 void write_tokens(const WriteTokens&, const mx::Stream&, const std::vector<mx::array>&, mx::array&) {
-  // (the Python layer writes on Metal streams with MLX's slice_update instead)
+  // (its only caller, the benchmarks' fp16:inplace cache, runs on CPU and CUDA)
   throw std::runtime_error("[turboquant_mlx.write_tokens] has no Metal kernel in this build.");
 }
 
