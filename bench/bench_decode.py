@@ -36,9 +36,9 @@ widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``PRESET@wN`` (that preset with its last N tokens in fp16),
 ``NAME:hostrot`` (cache NAME with the rotations run as their own
 ``mx.hadamard_transform`` kernels around the ops instead of inside them, as with
-TURBOQUANT_OP_ROTATION=0), ``NAME:nodes`` (cache NAME with each in-place append built
-as one graph node per buffer, as before they became one node for codes and scales:
-TURBOQUANT_APPEND_NODES=2), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+TURBOQUANT_OP_ROTATION=0), ``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a layer's
+in-place append of keys and values built as one graph node per tensor / per buffer
+instead of one: TURBOQUANT_APPEND_NODES), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -137,12 +137,13 @@ def weight_bytes(model):
 class variant:
     """Runs the enclosed calls as the cache name's variant asks: for a name ending in
     ``:hostrot``, with the rotations around the ops instead of inside them; for one
-    ending in ``:nodes``, with in-place appends built as one node per buffer
-    (TURBOQUANT_APPEND_NODES=2) instead of one node for codes and scales."""
+    ending in ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
+    graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
-        self.nodes = "2" if name.endswith(":nodes") else None
+        m = re.search(r":nodes(\d)$", name)
+        self.nodes = m.group(1) if m else None
 
     def __enter__(self):
         self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
@@ -179,7 +180,7 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = name.removesuffix(":hostrot").removesuffix(":nodes")
+    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

@@ -70,6 +70,36 @@ NB_MODULE(_ext, m) {
             when those are not referenced elsewhere, or with ``in_place``.)");
 
   m.def(
+      "quantize_append_kv",
+      &tq::quantize_append_kv,
+      "k_codes"_a,
+      "k_scales"_a,
+      "v_codes"_a,
+      "v_scales"_a,
+      "keys"_a,
+      "values"_a,
+      "k_centroids"_a,
+      "v_centroids"_a,
+      "offset"_a,
+      "key_bits"_a,
+      "value_bits"_a,
+      nb::kw_only(),
+      "key_rotation_signs"_a = nb::none(),
+      "value_rotation_signs"_a = nb::none(),
+      "key_mean"_a = nb::none(),
+      "value_mean"_a = nb::none(),
+      "stream"_a = nb::none(),
+      R"(A layer's keys and values quantized into their caches at ``offset``, in place,
+        as one graph node (``quantize_append`` with ``in_place`` for each, in one).
+
+        Each tensor takes the arguments ``quantize_append`` takes for it; keys and
+        values bring the same number of tokens into caches of the same capacity.
+
+        Returns:
+            list[array]: ``[k_codes, k_scales, v_codes, v_scales]``, sharing the input
+            buffers.)");
+
+  m.def(
       "write_tokens",
       &tq::write_tokens,
       "buffer"_a,

@@ -1,7 +1,6 @@
 #include "ops.h"
 
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 
 #include "message.h"
@@ -182,13 +181,14 @@ void check_token_slots(const char* op, const char* doing, int offset, int length
   }
 }
 
-// Whether an in-place append is one node for codes and scales (the default) or, with
-// TURBOQUANT_APPEND_NODES=2, one node per buffer as a donating append is: a switch for
-// measuring what the single node saves. Read at each call, so that one process can time
-// both.
-bool in_place_append_one_node() {
+// Graph nodes of in-place appends of `tensors` tensors (a layer's keys and values: 2):
+// one (the default), or with TURBOQUANT_APPEND_NODES=2 one per tensor, =4 one per
+// buffer, as donating appends are: a switch for measuring what fewer nodes save. Read
+// at each call, so that one process can time each.
+int in_place_append_nodes(int tensors) {
   const char* v = std::getenv("TURBOQUANT_APPEND_NODES");
-  return v == nullptr || std::strcmp(v, "2") != 0;
+  const int asked = v == nullptr ? 1 : std::atoi(v);
+  return asked >= 4 ? 4 : asked >= 2 && tensors > 1 ? 2 : 1;
 }
 
 // An input as the backend's kernels read it. The CPU kernels read row-major float32;
@@ -232,7 +232,18 @@ int words_per_token(int head_dim, int bits) {
   return head_dim * bits / 32;
 }
 
-std::vector<mx::array> quantize_append(
+namespace {
+
+/// One tensor's append, checked and with its inputs as the kernels read them (see
+/// QuantizeAppend): the part, and the inputs after its buffers.
+struct PreparedAppend {
+  AppendPart part;
+  std::vector<mx::array> rest; // x, centroids [, mean]
+};
+
+PreparedAppend prepare_append(
+    const char* op,
+    const char* what,
     const mx::array& codes,
     const mx::array& scales,
     const mx::array& x,
@@ -241,10 +252,8 @@ std::vector<mx::array> quantize_append(
     int bits,
     const std::optional<std::vector<float>>& rotation_signs,
     const std::optional<mx::array>& mean,
-    bool in_place,
-    mx::StreamOrDevice s) {
-  constexpr const char* op = "quantize_append";
-  int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
+    const mx::Stream& stream) {
+  int capacity = check_cache(op, what, codes, scales, centroids, bits);
   check_float(op, "x", x);
   if (x.ndim() != 4) {
     fail(op, "x must have shape (B, H, L, D), got ", shape_str(x.shape()), ".");
@@ -272,37 +281,136 @@ std::vector<mx::array> quantize_append(
         ".");
   }
   check_token_slots(op, "appending", offset, x.shape(2), capacity);
-  auto rotation = signed_hadamard(op, rotation_signs, head_dim);
-  auto stream = mx::to_stream(s);
+  PreparedAppend a{{bits, signed_hadamard(op, rotation_signs, head_dim), mean.has_value()}, {}};
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
-  auto tokens = kernel_input(x, stream, true);
-  auto c = mx::astype(centroids, mx::float32, stream);
-  std::vector<mx::array> rest = {tokens, c};
+  a.rest = {kernel_input(x, stream, true), mx::astype(centroids, mx::float32, stream)};
   if (mean) {
-    rest.push_back(mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
+    a.rest.push_back(
+        mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
   }
-  auto prim = [&](AppendTarget target) {
-    return std::make_shared<QuantizeAppend>(
-        stream, bits, offset, target, rotation, mean.has_value(), in_place);
-  };
-  if (in_place && in_place_append_one_node()) {
-    // One node writes both buffers (no donation needed; see QuantizeAppend).
-    std::vector<mx::array> inputs = {codes, scales};
-    inputs.insert(inputs.end(), rest.begin(), rest.end());
-    return mx::array::make_arrays(
-        {codes.shape(), scales.shape()},
-        {codes.dtype(), scales.dtype()},
-        prim(AppendTarget::Both),
-        std::move(inputs));
+  return a;
+}
+
+/// The nodes of appends with the same offset: one node for all buffers (in_place), or,
+/// with TURBOQUANT_APPEND_NODES asking for them (or without in_place: donation needs
+/// single-output nodes), one node per tensor or per buffer. Outputs: codes, scales of
+/// each tensor in turn.
+std::vector<mx::array> append_nodes(
+    const std::vector<std::pair<mx::array, mx::array>>& buffers,
+    const std::vector<PreparedAppend>& appends,
+    int offset,
+    bool in_place,
+    const mx::Stream& stream) {
+  const int nodes = in_place ? in_place_append_nodes(int(appends.size())) : 4;
+  std::vector<mx::array> outputs;
+  if (nodes <= 2) {
+    // Both buffers of each tensor per node (no donation needed; see QuantizeAppend).
+    const size_t per_node = nodes == 1 ? appends.size() : 1;
+    for (size_t first = 0; first < appends.size(); first += per_node) {
+      std::vector<AppendPart> parts;
+      std::vector<mx::array> inputs;
+      std::vector<mx::Shape> shapes;
+      std::vector<mx::Dtype> dtypes;
+      for (size_t i = first; i < first + per_node; ++i) {
+        parts.push_back(appends[i].part);
+        for (const auto& b : {buffers[i].first, buffers[i].second}) {
+          inputs.push_back(b);
+          shapes.push_back(b.shape());
+          dtypes.push_back(b.dtype());
+        }
+        inputs.insert(inputs.end(), appends[i].rest.begin(), appends[i].rest.end());
+      }
+      auto out = mx::array::make_arrays(
+          std::move(shapes),
+          std::move(dtypes),
+          std::make_shared<QuantizeAppend>(
+              stream, offset, AppendTarget::Both, std::move(parts), in_place),
+          std::move(inputs));
+      outputs.insert(outputs.end(), out.begin(), out.end());
+    }
+    return outputs;
   }
-  // The cache buffers go in as they are, one node each, so each node can donate its
-  // buffer; a node copies it only if it is not row-contiguous or referenced elsewhere.
-  auto node = [&](const mx::array& buffer, AppendTarget target) {
-    std::vector<mx::array> inputs = {buffer};
-    inputs.insert(inputs.end(), rest.begin(), rest.end());
-    return mx::array(buffer.shape(), buffer.dtype(), prim(target), std::move(inputs));
-  };
-  return {node(codes, AppendTarget::Codes), node(scales, AppendTarget::Scales)};
+  // One node per buffer, which can then donate it; a node copies its buffer only if it
+  // is not row-contiguous or (without in_place) referenced elsewhere.
+  for (size_t i = 0; i < appends.size(); ++i) {
+    auto node = [&](const mx::array& buffer, AppendTarget target) {
+      std::vector<mx::array> inputs = {buffer};
+      inputs.insert(inputs.end(), appends[i].rest.begin(), appends[i].rest.end());
+      return mx::array(
+          buffer.shape(),
+          buffer.dtype(),
+          std::make_shared<QuantizeAppend>(
+              stream, offset, target, std::vector<AppendPart>{appends[i].part}, in_place),
+          std::move(inputs));
+    };
+    outputs.push_back(node(buffers[i].first, AppendTarget::Codes));
+    outputs.push_back(node(buffers[i].second, AppendTarget::Scales));
+  }
+  return outputs;
+}
+
+} // namespace
+
+std::vector<mx::array> quantize_append(
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& x,
+    const mx::array& centroids,
+    int offset,
+    int bits,
+    const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<mx::array>& mean,
+    bool in_place,
+    mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  auto a = prepare_append(
+      "quantize_append", "cache", codes, scales, x, centroids, offset, bits, rotation_signs,
+      mean, stream);
+  return append_nodes({{codes, scales}}, {std::move(a)}, offset, in_place, stream);
+}
+
+std::vector<mx::array> quantize_append_kv(
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int offset,
+    int key_bits,
+    int value_bits,
+    const std::optional<std::vector<float>>& key_rotation_signs,
+    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<mx::array>& key_mean,
+    const std::optional<mx::array>& value_mean,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "quantize_append_kv";
+  auto stream = mx::to_stream(s);
+  std::vector<PreparedAppend> appends;
+  appends.push_back(prepare_append(
+      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
+      key_rotation_signs, key_mean, stream));
+  appends.push_back(prepare_append(
+      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
+      value_rotation_signs, value_mean, stream));
+  if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
+    fail(
+        op,
+        "keys ",
+        shape_str(keys.shape()),
+        " and values ",
+        shape_str(values.shape()),
+        " must bring the same tokens into caches of the same capacity (key cache ",
+        shape_str(k_codes.shape()),
+        ", value cache ",
+        shape_str(v_codes.shape()),
+        ").");
+  }
+  return append_nodes(
+      {{k_codes, k_scales}, {v_codes, v_scales}}, appends, offset, /* in_place = */ true,
+      stream);
 }
 
 mx::array write_tokens(

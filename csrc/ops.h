@@ -39,6 +39,30 @@ std::vector<mx::array> quantize_append(
     bool in_place = false,
     mx::StreamOrDevice s = {});
 
+/// A layer's keys and values appended at `offset` as one graph node, always in place
+/// (see quantize_append's in_place: for a cache that owns its buffers): one kernel
+/// launch per tensor writes its codes and scales. Each tensor is checked as
+/// quantize_append checks it; keys and values must bring the same number of tokens into
+/// caches of the same capacity. Returns the key codes and scales, then the value codes
+/// and scales.
+std::vector<mx::array> quantize_append_kv(
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int offset,
+    int key_bits,
+    int value_bits,
+    const std::optional<std::vector<float>>& key_rotation_signs = std::nullopt,
+    const std::optional<std::vector<float>>& value_rotation_signs = std::nullopt,
+    const std::optional<mx::array>& key_mean = std::nullopt,
+    const std::optional<mx::array>& value_mean = std::nullopt,
+    mx::StreamOrDevice s = {});
+
 /// Writes x (B, H, L, D) into the dense cache buffer (B, H, capacity, D) of the same
 /// floating-point dtype at token `offset`, in the buffer's own memory even while other
 /// arrays reference it (they see the new tokens; see quantize_append's in_place). For

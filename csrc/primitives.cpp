@@ -19,8 +19,8 @@ void QuantizeAppend::eval_gpu(
 
 bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizeAppend&>(other);
-  return bits_ == o.bits_ && offset_ == o.offset_ && target_ == o.target_ &&
-      rotation_ == o.rotation_ && centered_ == o.centered_ && in_place_ == o.in_place_;
+  return offset_ == o.offset_ && target_ == o.target_ && parts_ == o.parts_ &&
+      in_place_ == o.in_place_;
 }
 
 void WriteTokens::eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) {

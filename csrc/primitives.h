@@ -43,23 +43,37 @@ inline TQRotation kernel_rotation(const std::optional<SignedHadamard>& r, int he
 /// Which cache buffers a QuantizeAppend node writes.
 enum class AppendTarget { Codes, Scales, Both };
 
-/// Quantizes rotated tokens (or model-space tokens it rotates itself, when it holds a
-/// rotation) and writes their packed codes, their scales, or both into the cache
-/// buffers at `offset`.
+/// One tensor a QuantizeAppend node appends (a layer's keys, or its values).
+struct AppendPart {
+  int bits;
+  /// Set: x is in model space and is rotated before quantizing.
+  std::optional<SignedHadamard> rotation;
+  /// Set: a per-head mean (the part's last input) is subtracted from x first.
+  bool centered = false;
+
+  bool operator==(const AppendPart& o) const {
+    return bits == o.bits && rotation == o.rotation && centered == o.centered;
+  }
+};
+
+/// Quantizes rotated tokens (or model-space tokens it rotates itself, when a part holds
+/// a rotation) and writes their packed codes, their scales, or both into the cache
+/// buffers at `offset`, for one tensor or two (a layer's keys and values: parts).
 ///
 /// Without in_place the op builds one node per buffer (Codes, Scales): a node with
 /// several outputs can never reuse (donate) its inputs' buffers in MLX, because every
 /// output holds a reference to the inputs; single-output nodes can, which makes an
 /// append O(new tokens). Each node re-derives the codes of the few new tokens, which is
 /// cheap. With in_place no donation is needed, and one node (Both) writes both buffers
-/// in one kernel launch: half the nodes and launches of a decode step's appends.
+/// of each of its parts, one kernel launch per part: a layer's decode-step append is
+/// one node instead of four.
 ///
-/// inputs:  the buffers written (codes (B,H,cap,W) u32 and/or scales (B,H,cap) f16, in
-///          that order), x (B,H,L,D) float (float32 on the CPU; GPUs also read
-///          float16/bfloat16), centroids (2^b) f32
-///          [, mean (B,H,1,D) f32 when centered: x - mean is quantized]
-/// outputs: the buffers (each shares its input buffer when donatable or in_place, else
-///          a copy)
+/// inputs, per part: the buffers written (codes (B,H,cap,W) u32 and/or scales (B,H,cap)
+///          f16, in that order), x (B,H,L,D) float (float32 on the CPU; GPUs also read
+///          float16/bfloat16), centroids (2^b) f32 [, mean (B,H,1,D) f32 when
+///          centered: x - mean is quantized]
+/// outputs, per part: the buffers (each shares its input buffer when donatable or
+///          in_place, else a copy)
 ///
 /// in_place: the node writes into the input buffers even while other arrays still
 /// reference them. MLX keeps every op input alive until the GPU has run the op, so
@@ -71,18 +85,14 @@ class QuantizeAppend : public mx::Primitive {
  public:
   QuantizeAppend(
       mx::Stream stream,
-      int bits,
       int offset,
       AppendTarget target,
-      std::optional<SignedHadamard> rotation = std::nullopt,
-      bool centered = false,
+      std::vector<AppendPart> parts,
       bool in_place = false)
       : mx::Primitive(stream),
-        bits_(bits),
         offset_(offset),
         target_(target),
-        rotation_(rotation),
-        centered_(centered),
+        parts_(std::move(parts)),
         in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
@@ -91,23 +101,33 @@ class QuantizeAppend : public mx::Primitive {
       override;
 
   const char* name() const override {
-    return target_ == AppendTarget::Codes ? "QuantizeAppendCodes"
+    return parts_.size() == 2    ? "QuantizeAppendKV"
+        : target_ == AppendTarget::Codes ? "QuantizeAppendCodes"
         : target_ == AppendTarget::Scales ? "QuantizeAppendScales"
                                           : "QuantizeAppend";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
-    for (int i = 0; i < buffers(); ++i) {
-      shapes.push_back(inputs[i].shape());
+    for (size_t i = 0, in = 0; i < parts_.size(); in += inputs_of(i++)) {
+      for (int b = 0; b < buffers(); ++b) {
+        shapes.push_back(inputs[in + b].shape());
+      }
     }
     return shapes;
   }
 
-  /// Buffers written: inputs[0, buffers()) and the outputs, in the same order; x is
-  /// inputs[buffers()].
+  const std::vector<AppendPart>& parts() const {
+    return parts_;
+  }
+  /// Buffers written per part: its first inputs and its outputs, in the same order;
+  /// its x follows them.
   int buffers() const {
     return target_ == AppendTarget::Both ? 2 : 1;
+  }
+  /// Inputs of part i (buffers, x, centroids, the mean when centered).
+  int inputs_of(size_t i) const {
+    return buffers() + 2 + (parts_[i].centered ? 1 : 0);
   }
   bool writes_codes() const {
     return target_ != AppendTarget::Scales;
@@ -119,20 +139,8 @@ class QuantizeAppend : public mx::Primitive {
   int write_flags() const {
     return (writes_codes() ? TQ_WRITE_CODES : 0) | (writes_scales() ? TQ_WRITE_SCALES : 0);
   }
-  int bits() const {
-    return bits_;
-  }
   int offset() const {
     return offset_;
-  }
-  /// Set: x is in model space and is rotated before quantizing.
-  const std::optional<SignedHadamard>& rotation() const {
-    return rotation_;
-  }
-  /// Set: inputs[buffers() + 2] is a per-head mean subtracted from x before anything
-  /// else.
-  bool centered() const {
-    return centered_;
   }
   /// Set: the input buffers are written in place even when referenced elsewhere.
   bool in_place() const {
@@ -140,11 +148,9 @@ class QuantizeAppend : public mx::Primitive {
   }
 
  private:
-  int bits_;
   int offset_;
   AppendTarget target_;
-  std::optional<SignedHadamard> rotation_;
-  bool centered_;
+  std::vector<AppendPart> parts_;
   bool in_place_;
 };
 

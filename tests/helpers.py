@@ -136,6 +136,15 @@ def assert_scales_close(got, want, skip=None):
     assert off <= max(2, 0.01 * ulps.size), f"{off} of {ulps.size} scales 1 ulp off"
 
 
+def graph_nodes(path, *outputs):
+    """Labels of the graph nodes that compute ``outputs`` (``mx.export_to_dot`` into
+    ``path``)."""
+    import re
+
+    mx.export_to_dot(str(path), *outputs)
+    return re.findall(r'label ="([^"]+)"', path.read_text())
+
+
 def assert_op_error(excinfo, op, *needles):
     """The message starts with the op's prefix and contains every needle."""
     msg = str(excinfo.value)

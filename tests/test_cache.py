@@ -488,6 +488,33 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
         np.testing.assert_array_equal(np.array(old), np.array(new))  # one buffer
 
 
+@pytest.mark.parametrize("preset", ("plain", "tq4"))
+def test_decode_step_appends_in_one_node(tmp_path, preset):
+    # A decode step's append of keys and values is one graph node (the host's cost of a
+    # short-context step is per node); the window preset's token that leaves the window
+    # too.
+    from helpers import graph_nodes
+    from turboquant_mlx import ops
+
+    if not ops.has_kernels():
+        pytest.skip("the plain-MLX fallback builds no primitives")
+    rng = np.random.default_rng(2)
+    cfg = {} if preset == "plain" else dict(fp16_sink_tokens=4, fp16_recent_tokens=8,
+                                            center=True)
+    cache = TurboQuantKVCache(4, 4, **cfg)
+    cache.update_and_fetch(_rand(rng, (1, 2, 40, 64)), _rand(rng, (1, 2, 40, 64)))
+    mx.eval(cache.attention(_rand(rng, (1, 4, 8, 64)), 0.1, None))
+    for _ in range(12):  # the window's prefill tokens leave it
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+        mx.eval(cache.attention(_rand(rng, (1, 4, 1, 64)), 0.1, None))
+    n = cache._n_comp
+    cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+    assert cache._n_comp == n + 1
+    labels = graph_nodes(tmp_path / "g.dot", cache._k_codes, cache._k_scales,
+                         cache._v_codes, cache._v_scales)
+    assert [x for x in labels if x.startswith("QuantizeAppend")] == ["QuantizeAppendKV"]
+
+
 def test_trim_then_append_leaves_earlier_arrays_unchanged():
     # After a trim the next appends write slots that arrays taken before it (state,
     # dequantized tokens) still show: that append copies the buffers once instead of

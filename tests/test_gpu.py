@@ -121,6 +121,42 @@ def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype, in_p
     assert not np.array_equal(cpu_w, words)  # something was written
 
 
+@pytest.mark.parametrize("x_dtype", (mx.float32, mx.float16))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_quantize_append_kv_bit_exact_vs_cpu(head_dim, x_dtype):
+    # A layer's keys and values in one node (one launch per tensor: 4-bit keys rotated
+    # and centered, 3-bit values centered): the GPU's codes and scales match the CPU's
+    # two separate appends bit for bit, and only the appended slots change.
+    rng = np.random.default_rng(400 + head_dim)
+    batch, heads, length, capacity, offset = 2, 3, 5, 16, 7
+    kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, 4)
+    vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, 3)
+    keys = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
+    values = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
+    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+              for _ in range(2))
+    ck, cv = mx.array(centroids_np(head_dim, 4)), mx.array(centroids_np(head_dim, 3))
+    signs = Rotation(head_dim, seed=5).kernel_signs
+    cpu = mx.Device(mx.cpu)
+    want = []
+    for w, sc, x, c, bits, sg, m in ((kw, ksc, keys, ck, 4, signs, mk),
+                                     (vw, vsc, values, cv, 3, None, mv)):
+        out = ops.quantize_append(mx.array(w), mx.array(sc), x, c, offset, bits,
+                                  rotation_signs=sg, mean=m, stream=cpu)
+        mx.eval(*out)
+        want += [bits_of(o) for o in out]
+    got = ops.quantize_append_kv(
+        mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc), keys, values, ck, cv,
+        offset, 4, 3, key_rotation_signs=signs, key_mean=mk, value_mean=mv, stream=gpu(),
+    )
+    mx.eval(*got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits_of(g), w)
+    untouched = np.ones(capacity, bool)
+    untouched[offset : offset + length] = False
+    np.testing.assert_array_equal(bits_of(got[2])[:, :, untouched], vw[:, :, untouched])
+
+
 def strided_last_axis(a):
     """The same values as a view whose last axis is not contiguous."""
     v = mx.swapaxes(mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))), -1, -2)

@@ -25,6 +25,7 @@ from helpers import (
     assert_op_error,
     assert_scales_close,
     centroids_np,
+    graph_nodes,
     near_boundary,
     poisoned_cache,
     random_tokens,
@@ -239,15 +240,6 @@ def test_quantize_append_in_place_writes_a_referenced_buffer(buffer_kind):
         np.testing.assert_array_equal(np.array(old_codes), words)
 
 
-def _graph_nodes(tmp_path, *outputs):
-    """Labels of the graph nodes that compute ``outputs``."""
-    import re
-
-    path = tmp_path / "graph.dot"
-    mx.export_to_dot(str(path), *outputs)
-    return re.findall(r'label ="([^"]+)"', path.read_text())
-
-
 def test_quantize_append_in_place_is_one_node(tmp_path):
     # An in-place append needs no donation, so one node writes codes and scales (a
     # decode step's host cost is per node); otherwise one node per buffer, each able to
@@ -268,7 +260,8 @@ def test_quantize_append_in_place_is_one_node(tmp_path):
         mx.eval(codes_in, scales_in)
         out = ops.quantize_append(codes_in, scales_in, x, c, 4, bits, rotation_signs=signs,
                                   mean=mean, in_place=in_place)
-        got = [n for n in _graph_nodes(tmp_path, *out) if n.startswith("QuantizeAppend")]
+        got = [n for n in graph_nodes(tmp_path / "g.dot", *out)
+               if n.startswith("QuantizeAppend")]
         assert sorted(got) == nodes
         mx.eval(*out)
         results[in_place] = [np.array(o).view(np.uint32 if o.dtype == mx.uint32 else np.uint16)
@@ -276,6 +269,71 @@ def test_quantize_append_in_place_is_one_node(tmp_path):
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(results[True][0], words)  # something was written
+
+
+def _kv_inputs(rng, head_dim=64, key_bits=4, value_bits=3, capacity=12, length=3):
+    kw, ksc = poisoned_cache(rng, 1, 2, capacity, head_dim, key_bits)
+    vw, vsc = poisoned_cache(rng, 1, 2, capacity, head_dim, value_bits)
+    keys = mx.array(random_tokens(rng, (1, 2, length, head_dim)))
+    values = mx.array(random_tokens(rng, (1, 2, length, head_dim)))
+    means = [mx.array(rng.standard_normal((1, 2, 1, head_dim)).astype(np.float32))
+             for _ in range(2)]
+    cents = [mx.array(centroids_np(head_dim, b)) for b in (key_bits, value_bits)]
+    return (kw, ksc, vw, vsc), keys, values, means, cents
+
+
+def _bits_of(a):
+    return np.array(a).view(np.uint32 if a.dtype == mx.uint32 else np.uint16)
+
+
+@pytest.mark.parametrize("nodes", (None, "2", "4"))
+def test_quantize_append_kv_matches_two_appends(tmp_path, monkeypatch, nodes):
+    # A layer's keys and values in one op (4-bit keys rotated and centered, 3-bit values
+    # centered, unrotated): the same codes and scales as two quantize_append calls
+    # (one node per buffer each), written into the referenced input buffers, as one
+    # graph node; TURBOQUANT_APPEND_NODES=2 / 4 give one node per tensor / per buffer.
+    if nodes is not None:
+        monkeypatch.setenv("TURBOQUANT_APPEND_NODES", nodes)
+    rng = np.random.default_rng(8)
+    (kw, ksc, vw, vsc), keys, values, (mk, mv), (ck, cv) = _kv_inputs(rng)
+    signs = Rotation(64, seed=3).kernel_signs
+    want = []
+    for w, sc, x, c, bits, sg, m in ((kw, ksc, keys, ck, 4, signs, mk),
+                                     (vw, vsc, values, cv, 3, None, mv)):
+        want += ops.quantize_append(mx.array(w), mx.array(sc), x, c, 5, bits,
+                                    rotation_signs=sg, mean=m)
+    held = [mx.array(a) for a in (kw, ksc, vw, vsc)]
+    mx.eval(held)
+    got = ops.quantize_append_kv(*held, keys, values, ck, cv, 5, 4, 3,
+                                 key_rotation_signs=signs, key_mean=mk, value_mean=mv)
+    if ops.has_kernels():
+        labels = [n for n in graph_nodes(tmp_path / "g.dot", *got)
+                  if n.startswith("QuantizeAppend")]
+        expected = {None: ["QuantizeAppendKV"], "2": ["QuantizeAppend"] * 2,
+                    "4": ["QuantizeAppendCodes", "QuantizeAppendScales"] * 2}[nodes]
+        assert sorted(labels) == sorted(expected)
+    mx.eval(*got, *want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits_of(g), _bits_of(w))
+    assert not np.array_equal(_bits_of(got[2]), vw)  # the values were written
+    if ops.has_kernels():  # in place: the held arrays see the new tokens
+        for h, g in zip(held, got):
+            np.testing.assert_array_equal(_bits_of(h), _bits_of(g))
+
+
+def test_quantize_append_kv_errors():
+    rng = np.random.default_rng(9)
+    (kw, ksc, vw, vsc), keys, values, _, (ck, cv) = _kv_inputs(rng)
+    bufs = [mx.array(a) for a in (kw, ksc, vw, vsc)]
+    with pytest.raises(ValueError) as e:  # values bring fewer tokens than keys
+        ops.quantize_append_kv(*bufs, keys, values[:, :, :2], ck, cv, 0, 4, 3)
+    assert_op_error(e, "quantize_append_kv", "same tokens")
+    with pytest.raises(ValueError) as e:  # past the capacity of 12
+        ops.quantize_append_kv(*bufs, keys, values, ck, cv, 10, 4, 3)
+    assert_op_error(e, "quantize_append_kv", "capacity overflow")
+    with pytest.raises(ValueError) as e:
+        ops.quantize_append_kv(*bufs, keys, values, ck, cv, 0, 4, 5)
+    assert_op_error(e, "quantize_append_kv", "value cache", "5")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -58,44 +58,44 @@ void take_buffer(
   });
 }
 
-} // namespace
-
-void quantize_append(
+// One part (tensor) of a QuantizeAppend node: its inputs from `in`, its buffers'
+// outputs from `out`.
+void append_part(
     const QuantizeAppend& prim,
+    const AppendPart& part,
     const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const mx::array* in,
+    mx::array* out) {
   const int nb = prim.buffers();
   for (int i = 0; i < nb; ++i) {
-    take_buffer("quantize_append", inputs[i], outputs[i], prim.in_place(), s);
+    take_buffer("quantize_append", in[i], out[i], prim.in_place(), s);
   }
-  auto& x = inputs[nb];
-  auto& centroids = inputs[nb + 1];
+  auto& x = in[nb];
+  auto& centroids = in[nb + 1];
 
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(x);
   encoder.set_input_array(centroids);
-  for (auto& o : outputs) {
-    encoder.set_output_array(o);
+  for (int i = 0; i < nb; ++i) {
+    encoder.set_output_array(out[i]);
   }
 
   int batch = x.shape(0), heads = x.shape(1), length = x.shape(2), head_dim = x.shape(3);
-  int capacity = outputs[0].shape(2);
-  int words = prim.writes_codes() ? outputs[0].shape(3) : 0;
-  TQRotation rot = kernel_rotation(prim.rotation(), head_dim);
+  int capacity = out[0].shape(2);
+  int words = prim.writes_codes() ? out[0].shape(3) : 0;
+  TQRotation rot = kernel_rotation(part.rotation, head_dim);
   const float* mean_ptr = nullptr;
-  if (prim.centered()) {
-    encoder.set_input_array(inputs[nb + 2]);
-    mean_ptr = inputs[nb + 2].data<float>();
+  if (part.centered) {
+    encoder.set_input_array(in[nb + 2]);
+    mean_ptr = in[nb + 2].data<float>();
   }
   encoder.dispatch([x_ptr = x.data<float>(),
                     mean_ptr,
                     rot,
                     c_ptr = centroids.data<float>(),
-                    codes_ptr = prim.writes_codes() ? outputs[0].data<uint32_t>() : nullptr,
-                    scales_ptr =
-                        prim.writes_scales() ? outputs[nb - 1].data<mx::float16_t>() : nullptr,
-                    bits = prim.bits(),
+                    codes_ptr = prim.writes_codes() ? out[0].data<uint32_t>() : nullptr,
+                    scales_ptr = prim.writes_scales() ? out[nb - 1].data<mx::float16_t>() : nullptr,
+                    bits = part.bits,
                     offset = prim.offset(),
                     batch,
                     heads,
@@ -185,6 +185,21 @@ void quantize_append(
       }
     }
   });
+}
+
+} // namespace
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  size_t in = 0, out = 0;
+  for (size_t i = 0; i < prim.parts().size(); ++i) {
+    append_part(prim, prim.parts()[i], s, &inputs[in], &outputs[out]);
+    in += prim.inputs_of(i);
+    out += prim.buffers();
+  }
 }
 
 void write_tokens(

@@ -457,20 +457,24 @@ const char* backend_name() {
   return "cuda";
 }
 
-void quantize_append(
+namespace {
+
+/// One part (tensor) of a QuantizeAppend node, one launch: its inputs from `in`, its
+/// buffers' outputs from `out`.
+void append_part(
     const QuantizeAppend& prim,
-    const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  auto& enc = mx::cu::get_command_encoder(s);
+    const AppendPart& part,
+    mx::cu::CommandEncoder& enc,
+    const mx::array* in,
+    mx::array* out) {
   const int nb = prim.buffers();
   for (int i = 0; i < nb; ++i) {
-    take_buffer("quantize_append", inputs[i], outputs[i], prim.in_place(), enc);
+    take_buffer("quantize_append", in[i], out[i], prim.in_place(), enc);
   }
-  mx::array* codes = prim.writes_codes() ? &outputs[0] : nullptr;
-  mx::array* scales = prim.writes_scales() ? &outputs[nb - 1] : nullptr;
-  const mx::array x = last_axis_contiguous(inputs[nb], enc);
-  auto& cent = inputs[nb + 1];
+  mx::array* codes = prim.writes_codes() ? &out[0] : nullptr;
+  mx::array* scales = prim.writes_scales() ? &out[nb - 1] : nullptr;
+  const mx::array x = last_axis_contiguous(in[nb], enc);
+  auto& cent = in[nb + 1];
   const int head_dim = x.shape(3);
 
   TQQuantParams p{};
@@ -488,10 +492,10 @@ void quantize_append(
   if (n == 0) {
     return;
   }
-  p.rot = kernel_rotation(prim.rotation(), head_dim);
+  p.rot = kernel_rotation(part.rotation, head_dim);
   const float* mp = nullptr;
-  if (prim.centered()) {
-    const mx::array mean = row_contiguous(inputs[nb + 2], enc);
+  if (part.centered) {
+    const mx::array mean = row_contiguous(in[nb + 2], enc);
     p.mean_stride[0] = mean.strides()[0];
     p.mean_stride[1] = mean.strides()[1];
     p.centered = 1;
@@ -501,11 +505,11 @@ void quantize_append(
   const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
       : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                  : ck::QType::Float32;
-  auto f = get_function(ck::quantize_kernel(head_dim, prim.bits(), xt), "quantize_append");
+  auto f = get_function(ck::quantize_kernel(head_dim, part.bits, xt), "quantize_append");
   enc.set_input_array(x);
   enc.set_input_array(cent);
-  for (auto& o : outputs) {
-    enc.set_output_array(o);
+  for (int i = 0; i < nb; ++i) {
+    enc.set_output_array(out[i]);
   }
   const void* xp = mx::gpu_ptr<void>(x);
   const float* cp = cptr<float>(cent);
@@ -513,6 +517,22 @@ void quantize_append(
   void* sc = scales ? mx::gpu_ptr<void>(*scales) : nullptr;
   dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
   enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, mp, cw, sc, p);
+}
+
+} // namespace
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  size_t in = 0, out = 0;
+  for (size_t i = 0; i < prim.parts().size(); ++i) {
+    append_part(prim, prim.parts()[i], enc, &inputs[in], &outputs[out]);
+    in += prim.inputs_of(i);
+    out += prim.buffers();
+  }
 }
 
 void attention(

@@ -193,22 +193,27 @@ const char* backend_name() {
   return "metal";
 }
 
-void quantize_append(
+namespace {
+
+// One part (tensor) of a QuantizeAppend node, one dispatch: its inputs from `in`, its
+// buffers' outputs from `out`.
+void append_part(
     const QuantizeAppend& prim,
+    const AppendPart& part,
     const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const mx::array* in,
+    mx::array* out) {
   auto& d = mx::metal::device(s.device);
   const int nb = prim.buffers();
   for (int i = 0; i < nb; ++i) {
-    take_buffer(inputs[i], outputs[i], prim.in_place(), d, s);
+    take_buffer(in[i], out[i], prim.in_place(), d, s);
   }
   // The buffer not written (a one-buffer node) is bound to the written one; the kernel
   // touches only those p.write names.
-  mx::array& codes = outputs[0];
-  mx::array& scales = outputs[nb - 1];
-  const mx::array x = last_axis_contiguous(inputs[nb], d, s);
-  auto& cent = inputs[nb + 1];
+  mx::array& codes = out[0];
+  mx::array& scales = out[nb - 1];
+  const mx::array x = last_axis_contiguous(in[nb], d, s);
+  auto& cent = in[nb + 1];
   const int head_dim = x.shape(3);
   if (!supported_head_dim(head_dim)) {
     std::ostringstream msg;
@@ -228,14 +233,14 @@ void quantize_append(
   p.length = x.shape(2);
   p.offset = prim.offset();
   p.write = prim.write_flags();
-  p.rot = kernel_rotation(prim.rotation(), head_dim);
+  p.rot = kernel_rotation(part.rotation, head_dim);
   const int64_t n = int64_t(p.batch) * p.heads * p.length;
   if (n == 0) {
     return;
   }
   // Without a mean, slot 2 is bound to the centroids and never read.
-  const mx::array mean = prim.centered() ? row_contiguous(inputs[nb + 2], d, s) : cent;
-  if (prim.centered()) {
+  const mx::array mean = part.centered ? row_contiguous(in[nb + 2], d, s) : cent;
+  if (part.centered) {
     p.mean_stride[0] = mean.strides()[0];
     p.mean_stride[1] = mean.strides()[1];
     p.centered = 1;
@@ -245,7 +250,7 @@ void quantize_append(
        << (x.dtype() == mx::float16       ? "float16"
                : x.dtype() == mx::bfloat16 ? "bfloat16"
                                            : "float32")
-       << "_d" << head_dim << "_b" << prim.bits();
+       << "_d" << head_dim << "_b" << part.bits;
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
   enc.set_input_array(x, 0);
@@ -257,6 +262,21 @@ void quantize_append(
   enc.dispatch_threadgroups(
       MTL::Size((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS, 1, 1),
       MTL::Size(TQ_QUANT_THREADS, 1, 1));
+}
+
+} // namespace
+
+void quantize_append(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  size_t in = 0, out = 0;
+  for (size_t i = 0; i < prim.parts().size(); ++i) {
+    append_part(prim, prim.parts()[i], s, &inputs[in], &outputs[out]);
+    in += prim.inputs_of(i);
+    out += prim.buffers();
+  }
 }
 
 void attention(

@@ -580,15 +580,25 @@ class TurboQuantKVCache(_BaseCache):
         None) and rotates."""
         n = k_rot.shape[2]
         self._ensure_capacity(self._n_comp + n)
-        in_place = self._buffers_private
-        self._k_codes, self._k_scales = ops.quantize_append(
-            self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp, self.key_bits,
-            rotation_signs=signs, mean=mu_k, in_place=in_place,
-        )
-        self._v_codes, self._v_scales = ops.quantize_append(
-            self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp, self.value_bits,
-            rotation_signs=signs if self.rotate_values else None, mean=mu_v, in_place=in_place,
-        )
+        v_signs = signs if self.rotate_values else None
+        if self._buffers_private:
+            # Written in place, keys and values in one node.
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales = (
+                ops.quantize_append_kv(
+                    self._k_codes, self._k_scales, self._v_codes, self._v_scales, k_rot, v_rot,
+                    self._k_centroids, self._v_centroids, self._n_comp, self.key_bits,
+                    self.value_bits, key_rotation_signs=signs, value_rotation_signs=v_signs,
+                    key_mean=mu_k, value_mean=mu_v,
+                ))
+        else:
+            self._k_codes, self._k_scales = ops.quantize_append(
+                self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp,
+                self.key_bits, rotation_signs=signs, mean=mu_k,
+            )
+            self._v_codes, self._v_scales = ops.quantize_append(
+                self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp,
+                self.value_bits, rotation_signs=v_signs, mean=mu_v,
+            )
         self._n_comp += n
         # Without in_place the outputs reused buffers nothing else held, or are copies.
         self._buffers_private = True

@@ -16,6 +16,7 @@ __all__ = [
     "words_per_token",
     "has_kernels",
     "quantize_append",
+    "quantize_append_kv",
     "compressed_attention",
     "dequantize",
     "MAX_TAIL_TOKENS",
@@ -92,6 +93,54 @@ def quantize_append(
         if rotation_signs is not None:
             x = fallback.rotate(x, rotation_signs)
         return fallback.quantize_append(codes, scales, x, centroids, offset, bits)
+
+
+def quantize_append_kv(
+    k_codes: mx.array,
+    k_scales: mx.array,
+    v_codes: mx.array,
+    v_scales: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    k_centroids: mx.array,
+    v_centroids: mx.array,
+    offset: int,
+    key_bits: int,
+    value_bits: int,
+    *,
+    key_rotation_signs: Optional[Sequence[float]] = None,
+    value_rotation_signs: Optional[Sequence[float]] = None,
+    key_mean: Optional[mx.array] = None,
+    value_mean: Optional[mx.array] = None,
+    stream=None,
+):
+    """A layer's keys and values appended at ``offset`` as one operation:
+    :func:`quantize_append` with ``in_place=True`` for each (same arguments per
+    tensor), built as one graph node, so that a decode step's append costs the host
+    one node instead of four (at short context a step's time is its nodes' host cost).
+    Keys and values bring the same number of tokens into caches of the same capacity.
+
+    Returns:
+        tuple[array, array, array, array]: ``(k_codes, k_scales, v_codes, v_scales)``.
+    """
+    if has_kernels(stream):
+        return tuple(_ext.quantize_append_kv(
+            k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids,
+            offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
+            value_rotation_signs=value_rotation_signs, key_mean=key_mean,
+            value_mean=value_mean, stream=stream,
+        ))
+    if keys.shape[2:3] != values.shape[2:3]:
+        raise ValueError(
+            f"[turboquant_mlx.quantize_append_kv] keys {tuple(keys.shape)} and values "
+            f"{tuple(values.shape)} must bring the same tokens."
+        )
+    kc, ks = quantize_append(k_codes, k_scales, keys, k_centroids, offset, key_bits,
+                             rotation_signs=key_rotation_signs, mean=key_mean, stream=stream)
+    vc, vs = quantize_append(v_codes, v_scales, values, v_centroids, offset, value_bits,
+                             rotation_signs=value_rotation_signs, mean=value_mean,
+                             stream=stream)
+    return kc, ks, vc, vs
 
 
 # Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
