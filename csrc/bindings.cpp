@@ -123,6 +123,33 @@ NB_MODULE(_ext, m) {
             under pipelined decoding (``bench/bench_decode.py --caches fp16:inplace``).)");
 
   m.def(
+      "write_tokens_kv",
+      &tq::write_tokens_kv,
+      "k_buffer"_a,
+      "v_buffer"_a,
+      "keys"_a,
+      "values"_a,
+      "offset"_a,
+      nb::kw_only(),
+      "after"_a = std::vector<tq::mx::array>{},
+      "stream"_a = nb::none(),
+      R"(``write_tokens`` into a layer's key and value buffers as one graph node.
+
+        Args:
+            k_buffer, v_buffer (array): ``(B, H, capacity, D)`` float16, bfloat16 or
+                float32.
+            keys, values (array): ``(B, H, L, D)`` in their buffer's dtype.
+            offset (int): first token slot written.
+            after (list[array]): arrays this write must follow: earlier readers of
+                the slots it overwrites (e.g. the previous decode step's attention
+                output, when the buffers are a ring of recent tokens). They are
+                inputs of the node, not read.
+
+        Returns:
+            list[array]: ``[k_buffer, v_buffer]`` written in place (see
+            ``write_tokens``).)");
+
+  m.def(
       "compressed_attention",
       &tq::compressed_attention,
       "q"_a,

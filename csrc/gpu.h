@@ -24,12 +24,13 @@ void quantize_append(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 
-/// One WriteTokens node (CUDA; the Metal backend raises: it has no kernel for it).
+/// One WriteTokens node (CUDA; the Metal backend raises: it has no kernel for it, and
+/// the Python layer writes with slice updates there).
 void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& output);
+    std::vector<mx::array>& outputs);
 
 void attention(
     const CompressedAttention& prim,

@@ -30,7 +30,11 @@ void quantize_append(
   no_kernels("quantize_append");
 }
 
-void write_tokens(const WriteTokens&, const mx::Stream&, const std::vector<mx::array>&, mx::array&) {
+void write_tokens(
+    const WriteTokens&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
   no_kernels("write_tokens");
 }
 

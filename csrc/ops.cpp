@@ -413,38 +413,76 @@ std::vector<mx::array> quantize_append_kv(
       stream);
 }
 
-mx::array write_tokens(
+namespace {
+
+/// Checks one buffer's write for write_tokens(_kv) (`what`: which buffer).
+void check_token_write(
+    const char* op,
+    const char* what,
     const mx::array& buffer,
     const mx::array& x,
-    int offset,
-    mx::StreamOrDevice s) {
-  constexpr const char* op = "write_tokens";
+    int offset) {
   if (buffer.ndim() != 4 || x.ndim() != 4) {
     fail(
         op,
-        "buffer and x must be (B, H, capacity, D) and (B, H, L, D), got ",
+        what,
+        " and its tokens must be (B, H, capacity, D) and (B, H, L, D), got ",
         shape_str(buffer.shape()),
         " and ",
         shape_str(x.shape()),
         ".");
   }
-  check_float(op, "buffer", buffer);
+  check_float(op, what, buffer);
   if (x.dtype() != buffer.dtype()) {
-    fail(op, "x has dtype ", dtype_str(x.dtype()), " but the buffer ", dtype_str(buffer.dtype()), ".");
+    fail(op, "the tokens have dtype ", dtype_str(x.dtype()), " but the ", what, " ",
+         dtype_str(buffer.dtype()), ".");
   }
   if (x.shape(0) != buffer.shape(0) || x.shape(1) != buffer.shape(1) || x.shape(3) != buffer.shape(3)) {
     fail(
         op,
-        "x ",
+        "tokens ",
         shape_str(x.shape()),
-        " does not match the buffer ",
+        " do not match the ",
+        what,
+        " ",
         shape_str(buffer.shape()),
         " in batch, heads or head dim.");
   }
   check_token_slots(op, "writing", offset, x.shape(2), buffer.shape(2));
+}
+
+} // namespace
+
+mx::array write_tokens(
+    const mx::array& buffer,
+    const mx::array& x,
+    int offset,
+    mx::StreamOrDevice s) {
+  check_token_write("write_tokens", "buffer", buffer, x, offset);
   auto stream = mx::to_stream(s);
   return mx::array(
-      buffer.shape(), buffer.dtype(), std::make_shared<WriteTokens>(stream, offset), {buffer, x});
+      buffer.shape(), buffer.dtype(), std::make_shared<WriteTokens>(stream, offset, 1), {buffer, x});
+}
+
+std::vector<mx::array> write_tokens_kv(
+    const mx::array& k_buffer,
+    const mx::array& v_buffer,
+    const mx::array& keys,
+    const mx::array& values,
+    int offset,
+    const std::vector<mx::array>& after,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "write_tokens_kv";
+  check_token_write(op, "key buffer", k_buffer, keys, offset);
+  check_token_write(op, "value buffer", v_buffer, values, offset);
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {k_buffer, v_buffer, keys, values};
+  inputs.insert(inputs.end(), after.begin(), after.end());
+  return mx::array::make_arrays(
+      {k_buffer.shape(), v_buffer.shape()},
+      {k_buffer.dtype(), v_buffer.dtype()},
+      std::make_shared<WriteTokens>(stream, offset, 2),
+      std::move(inputs));
 }
 
 std::vector<mx::array> compressed_attention(

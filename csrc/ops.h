@@ -74,6 +74,19 @@ mx::array write_tokens(
     int offset,
     mx::StreamOrDevice s = {});
 
+/// write_tokens into a layer's key and value buffers as one node (same offset, same
+/// checks per buffer). `after`: arrays the write must follow, earlier readers of the
+/// slots it overwrites (a ring of tokens read by the previous step's attention): MLX
+/// orders a node after its inputs' producers only, so they are passed as inputs.
+std::vector<mx::array> write_tokens_kv(
+    const mx::array& k_buffer,
+    const mx::array& v_buffer,
+    const mx::array& keys,
+    const mx::array& values,
+    int offset,
+    const std::vector<mx::array>& after = {},
+    mx::StreamOrDevice s = {});
+
 /// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
 /// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in q's space
 /// that every query sees (fp16 sinks and the recent window of a cache), in one

@@ -23,12 +23,16 @@ bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {
       in_place_ == o.in_place_;
 }
 
-void WriteTokens::eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) {
-  cpu::write_tokens(*this, stream(), inputs, output);
+void WriteTokens::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  cpu::write_tokens(*this, stream(), inputs, outputs);
 }
 
-void WriteTokens::eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) {
-  gpu::write_tokens(*this, stream(), inputs, output);
+void WriteTokens::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  gpu::write_tokens(*this, stream(), inputs, outputs);
 }
 
 void CompressedAttention::eval_cpu(

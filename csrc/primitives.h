@@ -154,34 +154,51 @@ class QuantizeAppend : public mx::Primitive {
   bool in_place_;
 };
 
-/// Writes tokens x (B,H,L,D) into a dense cache buffer (B,H,cap,D) of the same dtype at
-/// token `offset`, in the buffer's own memory even when other arrays reference it (see
-/// QuantizeAppend's in_place; a buffer that is not row-contiguous is copied first). For
-/// a cache that owns its buffers: the benchmarks' fp16 cache that does not copy itself.
-/// inputs: buffer, x; outputs: the buffer
-class WriteTokens : public mx::UnaryPrimitive {
+/// Writes tokens x (B,H,L,D) into dense cache buffers (B,H,cap,D) of the same dtype at
+/// token `offset`, in the buffers' own memory even when other arrays reference them
+/// (see QuantizeAppend's in_place; a buffer that is not row-contiguous is copied
+/// first): one buffer, or a layer's keys and values in one node. For a cache that owns
+/// its buffers: the window ring of a compressed cache, the benchmarks' fp16 cache that
+/// does not copy itself.
+/// inputs: the `buffers` buffers, their tokens in the same order, then arrays the write
+/// must follow (earlier readers of the slots it overwrites: ordering only, not read);
+/// outputs: the buffers
+class WriteTokens : public mx::Primitive {
  public:
-  WriteTokens(mx::Stream stream, int offset) : mx::UnaryPrimitive(stream), offset_(offset) {}
+  WriteTokens(mx::Stream stream, int offset, int buffers)
+      : mx::Primitive(stream), offset_(offset), buffers_(buffers) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& output) override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
 
   const char* name() const override {
-    return "WriteTokens";
+    return buffers_ == 2 ? "WriteTokensKV" : "WriteTokens";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return offset_ == static_cast<const WriteTokens&>(other).offset_;
+    auto& o = static_cast<const WriteTokens&>(other);
+    return offset_ == o.offset_ && buffers_ == o.buffers_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    std::vector<mx::Shape> shapes;
+    for (int i = 0; i < buffers_; ++i) {
+      shapes.push_back(inputs[i].shape());
+    }
+    return shapes;
   }
 
   int offset() const {
     return offset_;
   }
+  /// Buffers written (inputs 0..buffers-1; their tokens follow).
+  int buffers() const {
+    return buffers_;
+  }
 
  private:
   int offset_;
+  int buffers_;
 };
 
 /// Settings of one attention call over the compressed cache.

@@ -1145,6 +1145,64 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
         sum(a.nbytes for a in window) + ring_bytes)
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks):
+    # A model-space ring step writes the new token into the ring in place (one
+    # WriteTokensKV node) instead of with slice updates. Outputs, codes and window must
+    # be bit-identical to the slice updates', also when several steps are built before
+    # anything is evaluated (each write must follow the previous step's attention,
+    # which read the slot it overwrites) and when the ring started from the window
+    # alone (no sinks: the ring must not be the window's buffer).
+    import turboquant_mlx.cache as tq_cache
+    import turboquant_mlx.ops as tq_ops
+
+    cfg = dict(center=True, fp16_sink_tokens=sinks, fp16_recent_tokens=8,
+               rollback_tokens=4, calibration_tokens=16, seed=7)
+    rng = np.random.default_rng(41 + sinks)
+    # (one KV head without sinks: the window's slice is then row-contiguous, which the
+    # write would take as it is, were it the ring)
+    B, H, D = 1, 1 if sinks == 0 else 2, 64
+    in_place, lazy, slices = (TurboQuantKVCache(**cfg) for _ in range(3))
+    writes = []
+    write_tokens_kv = tq_ops.write_tokens_kv
+    monkeypatch.setattr(tq_ops, "write_tokens_kv", lambda *a, **kw: writes.append(
+        kw.get("after")) or write_tokens_kv(*a, **kw))
+
+    def step(c, k, v, q):
+        monkeypatch.setattr(tq_cache, "_RING_IN_PLACE", c is not slices)
+        c.update_and_fetch(k, v)
+        return c.attention(q, 0.125, "causal")
+
+    # (31 tokens: without sinks the first ring is the window as it lies, unrotated)
+    k, v = _rand(rng, (B, H, 31, D)), _rand(rng, (B, H, 31, D))
+    q = _rand(rng, (B, 2 * H, 31, D))
+    for c in (in_place, lazy, slices):
+        mx.eval(step(c, k, v, q))
+    pending = []  # the lazy cache's outputs, evaluated every 5 steps
+    for i in range(40):
+        k, v = _rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D))
+        q = _rand(rng, (B, 2 * H, 1, D))
+        mx.eval(k, v, q)
+        want = np.array(step(slices, k, v, q))
+        np.testing.assert_array_equal(np.array(step(in_place, k, v, q)), want,
+                                      err_msg=f"step {i}")
+        # the window as stored (its pending tokens not yet written): untouched by the
+        # ring's writes
+        np.testing.assert_array_equal(np.array(in_place._win_k_stored),
+                                      np.array(slices._win_k_stored), err_msg=f"step {i}")
+        pending.append((step(lazy, k, v, q), want))
+        if i % 5 == 4:
+            mx.eval([o for o, _ in pending])  # (the newest first in the graph's order)
+            for j, (o, w) in enumerate(pending):
+                np.testing.assert_array_equal(np.array(o), w, err_msg=f"step {i}, {j}")
+            pending = []
+    assert len(writes) == 2 * 40 - 2  # both in-place caches, every step but the first
+    assert all(a is not None and len(a) == 1 for a in writes)  # after the last reader
+    for c in (in_place, lazy):
+        for a, b in zip(c.state, slices.state):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
 def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     # With model-space tails, a single token's window write is deferred (a ring step
     # reads the ring, not the window) and done on the window's next read, or from the

@@ -377,7 +377,7 @@ def test_write_tokens_refuses_bad_input():
     x = mx.zeros((1, 2, 3, 64), mx.float16)
     cases = [
         (buffer, x.astype(mx.float32), 0, "dtype float32 but the buffer float16"),
-        (buffer, mx.zeros((1, 3, 3, 64), mx.float16), 0, "does not match the buffer"),
+        (buffer, mx.zeros((1, 3, 3, 64), mx.float16), 0, "do not match the buffer"),
         (buffer, x, 6, "capacity overflow"),
         (buffer, x, -1, "offset must be >= 0"),
         (mx.zeros((1, 2, 8, 64), mx.int32), x, 0, "buffer must be float32, float16 or bfloat16"),
@@ -388,6 +388,66 @@ def test_write_tokens_refuses_bad_input():
             _ext.write_tokens(buf, xx, offset)
         assert "[turboquant_mlx.write_tokens]" in str(excinfo.value)
         assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_write_tokens_kv_in_place_after_its_readers(dtype, tmp_path):
+    # ops.write_tokens_kv: keys and values land at [offset, offset + L) of their own
+    # buffers, as one WriteTokensKV node. A ring of 4 slots written 8 times, each write
+    # after the previous write's reader (`after`), all built before one evaluation: every
+    # reader sees the ring as it was after its own write (without `after`, MLX runs
+    # the writes first and every reader sees the last state).
+    from turboquant_mlx import _ext
+
+    if mx.default_device() == mx.gpu and _ext.gpu_backend() == "metal":
+        pytest.skip("Metal writes with slice updates (MLX's ordering)")
+    rng = np.random.default_rng(17)
+    shape = (1, 2, 4, 64)
+    kb = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    vb = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    mx.eval(kb, vb)
+    held_k, held_v = kb, vb
+    want_k, want_v = np.array(kb.astype(mx.float32)), np.array(vb.astype(mx.float32))
+    tokens = [mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(dtype)
+              for _ in range(16)]
+    mx.eval(tokens)
+    readers, wants, reader = [], [], None
+    for i in range(8):
+        keys, values = tokens[2 * i], tokens[2 * i + 1]
+        kb, vb = ops.write_tokens_kv(kb, vb, keys, values, i % 4,
+                                     after=[] if reader is None else [reader])
+        if i == 0:
+            assert graph_nodes(tmp_path / "g.dot", kb).count("WriteTokensKV") == 1
+        reader = mx.concatenate([kb, vb], axis=3).astype(mx.float32) * 1.0
+        readers.append(reader)
+        want_k[:, :, i % 4] = np.array(keys.astype(mx.float32))[:, :, 0]
+        want_v[:, :, i % 4] = np.array(values.astype(mx.float32))[:, :, 0]
+        wants.append(np.concatenate([want_k, want_v], axis=3))
+    mx.eval(readers)
+    for i, (got, want) in enumerate(zip(readers, wants)):
+        np.testing.assert_array_equal(np.array(got), want, err_msg=f"write {i}")
+    # in the buffers' own memory
+    np.testing.assert_array_equal(np.array(held_k.astype(mx.float32)), want_k)
+    np.testing.assert_array_equal(np.array(held_v.astype(mx.float32)), want_v)
+
+
+def test_write_tokens_kv_refuses_bad_input():
+    from turboquant_mlx import _ext
+
+    kb = mx.zeros((1, 2, 8, 64), mx.float16)
+    x = mx.zeros((1, 2, 3, 64), mx.float16)
+    cases = [
+        ((kb, kb, x, x.astype(mx.float32), 0), "dtype float32 but the value buffer float16"),
+        ((kb, mx.zeros((1, 3, 8, 64), mx.float16), x, x, 0),
+         "do not match the value buffer"),
+        ((kb, kb, x, x, 6), "capacity overflow"),
+        ((kb, kb, x, x, -2), "offset must be >= 0"),
+        ((kb.astype(mx.int32), kb, x, x, 0), "key buffer must be float32, float16 or bfloat16"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError) as excinfo:
+            _ext.write_tokens_kv(*args)
+        assert_op_error(excinfo, "write_tokens_kv", message)
 
 
 def test_quantize_append_reads_strided_tokens():

@@ -17,7 +17,7 @@ void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& output);
+    std::vector<mx::array>& outputs);
 
 void attention(
     const CompressedAttention& prim,

@@ -206,36 +206,41 @@ void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
-  take_buffer("write_tokens", inputs[0], out, true, s);
-  const auto& x = inputs[1];
-  auto& encoder = mx::cpu::get_command_encoder(s);
-  encoder.set_input_array(x);
-  encoder.set_output_array(out);
-  encoder.dispatch([src = x.data<char>(),
-                    dst = out.data<char>(),
-                    itemsize = int64_t(x.itemsize()),
-                    shape = x.shape(),
-                    xs = x.strides(),
-                    os = out.strides(),
-                    offset = int64_t(prim.offset())]() {
-    const int64_t D = shape[3];
-    for (int64_t b = 0; b < shape[0]; ++b) {
-      for (int64_t h = 0; h < shape[1]; ++h) {
-        for (int64_t l = 0; l < shape[2]; ++l) {
-          char* to = dst + (b * os[0] + h * os[1] + (offset + l) * os[2]) * itemsize;
-          const char* from = src + (b * xs[0] + h * xs[1] + l * xs[2]) * itemsize;
-          if (xs[3] == 1) {
-            std::memcpy(to, from, D * itemsize);
-          } else {
-            for (int64_t d = 0; d < D; ++d) {
-              std::memcpy(to + d * itemsize, from + d * xs[3] * itemsize, itemsize);
+    std::vector<mx::array>& outputs) {
+  // (the inputs after the tokens only order this node after earlier readers)
+  const int n = prim.buffers();
+  for (int i = 0; i < n; ++i) {
+    take_buffer("write_tokens", inputs[i], outputs[i], true, s);
+    const auto& x = inputs[n + i];
+    auto& out = outputs[i];
+    auto& encoder = mx::cpu::get_command_encoder(s);
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([src = x.data<char>(),
+                      dst = out.data<char>(),
+                      itemsize = int64_t(x.itemsize()),
+                      shape = x.shape(),
+                      xs = x.strides(),
+                      os = out.strides(),
+                      offset = int64_t(prim.offset())]() {
+      const int64_t D = shape[3];
+      for (int64_t b = 0; b < shape[0]; ++b) {
+        for (int64_t h = 0; h < shape[1]; ++h) {
+          for (int64_t l = 0; l < shape[2]; ++l) {
+            char* to = dst + (b * os[0] + h * os[1] + (offset + l) * os[2]) * itemsize;
+            const char* from = src + (b * xs[0] + h * xs[1] + l * xs[2]) * itemsize;
+            if (xs[3] == 1) {
+              std::memcpy(to, from, D * itemsize);
+            } else {
+              for (int64_t d = 0; d < D; ++d) {
+                std::memcpy(to + d * itemsize, from + d * xs[3] * itemsize, itemsize);
+              }
             }
           }
         }
       }
-    }
-  });
+    });
+  }
 }
 
 } // namespace turboquant_mlx::cpu

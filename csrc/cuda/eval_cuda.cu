@@ -780,10 +780,20 @@ void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    mx::array& out) {
+    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
-  take_buffer("write_tokens", inputs[0], out, true, enc);
-  copy_into(inputs[1], out, enc, prim.offset());
+  const int n = prim.buffers();
+  for (int i = 0; i < n; ++i) {
+    take_buffer("write_tokens", inputs[i], outputs[i], true, enc);
+    // The earlier readers of the overwritten slots: MLX's graph orders a node after
+    // the writers of its inputs only, so they are inputs of the first copy.
+    if (i == 0) {
+      for (size_t a = 2 * n; a < inputs.size(); ++a) {
+        enc.set_input_array(inputs[a]);
+      }
+    }
+    copy_into(inputs[n + i], outputs[i], enc, prim.offset());
+  }
 }
 
 void dequantize(

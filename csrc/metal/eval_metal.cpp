@@ -425,8 +425,13 @@ void attention(
   }
 }
 
-void write_tokens(const WriteTokens&, const mx::Stream&, const std::vector<mx::array>&, mx::array&) {
-  // (its only caller, the benchmarks' fp16:inplace cache, runs on CPU and CUDA)
+void write_tokens(
+    const WriteTokens&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  // (ops.write_tokens_kv writes with slice updates on Metal; the benchmarks'
+  // fp16:inplace cache runs on CPU and CUDA)
   throw std::runtime_error("[turboquant_mlx.write_tokens] has no Metal kernel in this build.");
 }
 

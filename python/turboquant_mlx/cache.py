@@ -165,6 +165,13 @@ _COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
 # TURBOQUANT_OP_ROTATION=0 rotates with mx.hadamard_transform around the ops instead.
 _OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
 
+# A window preset's single-token step writes the new token into the model-space ring
+# in place, keys and values as one node (ops.write_tokens_kv), instead of two slice
+# updates (each its own node, and a copy of the ring whenever MLX cannot reuse it): at
+# short context a step's cost is its nodes' host time. TURBOQUANT_RING_IN_PLACE=0 keeps
+# the slice updates.
+_RING_IN_PLACE = os.environ.get("TURBOQUANT_RING_IN_PLACE", "1") != "0"
+
 
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
@@ -457,6 +464,9 @@ class TurboQuantKVCache(_BaseCache):
         # the window with the new one, so the tail is never concatenated again. In the
         # ops' tail space: the model's with _op_signs, else code space.
         self._ring = None
+        # The last op output that read the model-space ring: the next in-place write
+        # into the ring follows it (ops.write_tokens_kv's `after`).
+        self._ring_reader = None
         # (position, key, value) of the last single tokens, for their quantization when
         # they leave the window: as they arrived (model space) with _op_signs, else the
         # code-space copies the ring steps made.
@@ -915,7 +925,11 @@ class TurboQuantKVCache(_BaseCache):
     def _recent_token(self, a: int, b: int):
         """Model-space ``(key, value)`` of position ``a`` when ``b == a + 1`` and it
         arrived alone (op-rotation caches keep the last such tokens), else None."""
-        if b - a == 1:
+        if b - a == 1 and self._ring_tokens:
+            # (the tokens are usually consecutive positions: look there first)
+            i = a - self._ring_tokens[0][0]
+            if 0 <= i < len(self._ring_tokens) and self._ring_tokens[i][0] == a:
+                return self._ring_tokens[i][1:]
             for p, k, v in self._ring_tokens:
                 if p == a:
                     return k, v
@@ -1165,12 +1179,21 @@ class TurboQuantKVCache(_BaseCache):
             # Every token compressed (the plain codec): the step's Python time is most of
             # its cost, so it skips the bookkeeping below.
             return self._model_space_op(queries, self._n_comp, scale)[0]
+        if (simple and self.fp16_recent_tokens == 0 and self._n_comp > 0
+                and self._sink_k is not None
+                and self._sink_k.shape[2] + self._n_comp == self.offset):
+            # The sinks and the compressed tokens, no window: the tail is the sinks, as
+            # the segment list below would give it.
+            return self._model_space_op(
+                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v))[0]
         if simple:
             ring_step = self._ring_step_layout()
             if ring_step is not None:
                 ns, c = ring_step
                 tail = self._ring_write_new_token(ns)
-                return self._model_space_op(queries, c, scale, tail=tail)[0]
+                out = self._model_space_op(queries, c, scale, tail=tail)[0]
+                self._ring_reader = out
+                return out
         q0 = self.offset - L
         ns, c, wpos = self._layout()
         segments = self._dense_segments(self.offset)
@@ -1179,8 +1202,11 @@ class TurboQuantKVCache(_BaseCache):
             self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
         if one_call:
             tail = self._model_space_tail(segments, ns, wpos, L)
-            return self._model_space_op(
+            out = self._model_space_op(
                 queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail)[0]
+            if self._ring is not None and self._ring[0] is tail[0]:
+                self._ring_reader = out
+            return out
         parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
             parts.append(self._dequantized_part(queries, scale, mask, c, q0))
@@ -1216,10 +1242,17 @@ class TurboQuantKVCache(_BaseCache):
         if roll:
             ks = ks[:-1] + [ks[-1][:, :, R - roll :], ks[-1][:, :, : R - roll]]
             vs = vs[:-1] + [vs[-1][:, :, R - roll :], vs[-1][:, :, : R - roll]]
+        starts_ring = L == 1 and R and n_win == R
+        if starts_ring and len(ks) == 1:
+            # The ring is written in place: a buffer of its own, not the window's
+            # (a concatenation always makes one).
+            ks = [ks[0][:, :, :1], ks[0][:, :, 1:]]
+            vs = [vs[0][:, :, :1], vs[0][:, :, 1:]]
         tail_k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         tail_v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        if L == 1 and R and n_win == R:
+        if starts_ring:
             self._ring = (tail_k, tail_v, self.offset)
+            self._ring_reader = None
         return tail_k, tail_v
 
     def _ring_write_new_token(self, ns: int):
@@ -1230,8 +1263,15 @@ class TurboQuantKVCache(_BaseCache):
         tail_k, tail_v = ring[0], ring[1]
         self._ring = ring = None  # only the ring may hold it, or MLX copies it
         slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
-        tail_k[:, :, slot : slot + 1] = new[0]
-        tail_v[:, :, slot : slot + 1] = new[1]
+        if _RING_IN_PLACE:
+            # The ring's buffers are this cache's own (see _model_space_tail); the slot's
+            # last reader was the previous step's attention.
+            reader = self._ring_reader
+            tail_k, tail_v = ops.write_tokens_kv(
+                tail_k, tail_v, new[0], new[1], slot, after=() if reader is None else (reader,))
+        else:
+            tail_k[:, :, slot : slot + 1] = new[0]
+            tail_v[:, :, slot : slot + 1] = new[1]
         self._ring = (tail_k, tail_v, P + 1)
         if len(self._win_pending) == self.fp16_recent_tokens:
             self._sync_window()  # (from the ring: see _sync_window)

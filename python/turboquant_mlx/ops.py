@@ -17,6 +17,7 @@ __all__ = [
     "has_kernels",
     "quantize_append",
     "quantize_append_kv",
+    "write_tokens_kv",
     "compressed_attention",
     "dequantize",
     "MAX_TAIL_TOKENS",
@@ -141,6 +142,43 @@ def quantize_append_kv(
                              rotation_signs=value_rotation_signs, mean=value_mean,
                              stream=stream)
     return kc, ks, vc, vs
+
+
+_metal_build = None  # whether the GPU kernels are Metal's (asked once)
+
+
+def write_tokens_kv(
+    k_buffer: mx.array,
+    v_buffer: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    offset: int,
+    *,
+    after: Sequence[mx.array] = (),
+    stream=None,
+):
+    """Writes ``keys`` / ``values`` ``(B, H, L, D)`` into a layer's dense buffers
+    ``(B, H, capacity, D)`` at token ``offset``, in the buffers' memory, as one graph
+    node: other arrays that share a buffer see the new tokens, so the caller must own
+    them. ``after``: arrays the write must follow (earlier readers of the overwritten
+    slots), which become inputs of the node. Where the build has no kernel for it (Metal
+    GPU streams, GPU streams of a build without GPU kernels) the tokens go in with slice updates, which MLX makes in place when
+    nothing else holds the buffer and as a copy otherwise.
+
+    Returns:
+        tuple[array, array]: ``(k_buffer, v_buffer)``.
+    """
+    global _metal_build
+    if _metal_build is None:
+        _metal_build = _ext.gpu_backend() == "metal"
+    if has_kernels(stream) and (not _metal_build or _device(stream).type == mx.cpu):
+        return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
+                                          after=list(after), stream=stream))
+    n = keys.shape[2]
+    with mx.stream(stream) if stream is not None else _nullcontext():
+        k_buffer[:, :, offset : offset + n] = keys
+        v_buffer[:, :, offset : offset + n] = values
+    return k_buffer, v_buffer
 
 
 # Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
