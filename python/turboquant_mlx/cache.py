@@ -464,9 +464,11 @@ class TurboQuantKVCache(_BaseCache):
         # the window with the new one, so the tail is never concatenated again. In the
         # ops' tail space: the model's with _op_signs, else code space.
         self._ring = None
-        # The last op output that read the model-space ring: the next in-place write
-        # into the ring follows it (ops.write_tokens_kv's `after`).
+        # The last op output that read the model-space ring and the window rebuilt from
+        # it since the last write: the next in-place write into the ring follows them
+        # (ops.write_tokens_kv's `after`).
         self._ring_reader = None
+        self._ring_window = None
         # (position, key, value) of the last single tokens, for their quantization when
         # they leave the window: as they arrived (model space) with _op_signs, else the
         # code-space copies the ring steps made.
@@ -851,8 +853,14 @@ class TurboQuantKVCache(_BaseCache):
             parts_v = [self._win_v_stored[:, :, drop:], ring[1][:, :, r0:], ring[1][:, :, ns:r0]]
             wk = mx.concatenate([a for a in parts_k if a.shape[2]], axis=2)
             wv = mx.concatenate([a for a in parts_v if a.shape[2]], axis=2)
-            # Evaluated now: nothing may keep views of the ring past the next ring step.
-            mx.async_eval(wk, wv)
+            if _RING_IN_PLACE:
+                # They read the ring: the next in-place write follows them (which also
+                # evaluates them with the next step, so that rebuilds do not chain).
+                self._ring_window = (wk, wv)
+            else:
+                # Evaluated now: nothing may keep views of the ring past the next ring
+                # step.
+                mx.async_eval(wk, wv)
             self._win_k, self._win_v = wk, wv
             self._win_buf = None
             return
@@ -1266,9 +1274,12 @@ class TurboQuantKVCache(_BaseCache):
         if _RING_IN_PLACE:
             # The ring's buffers are this cache's own (see _model_space_tail); the slot's
             # last reader was the previous step's attention.
-            reader = self._ring_reader
-            tail_k, tail_v = ops.write_tokens_kv(
-                tail_k, tail_v, new[0], new[1], slot, after=() if reader is None else (reader,))
+            after = [] if self._ring_reader is None else [self._ring_reader]
+            if self._ring_window is not None:
+                after += self._ring_window
+                self._ring_window = None
+            tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
+                                                 after=after)
         else:
             tail_k[:, :, slot : slot + 1] = new[0]
             tail_v[:, :, slot : slot + 1] = new[1]
