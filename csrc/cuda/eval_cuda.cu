@@ -785,12 +785,10 @@ void write_tokens(
   const int n = prim.buffers();
   for (int i = 0; i < n; ++i) {
     take_buffer("write_tokens", inputs[i], outputs[i], true, enc);
-    // The earlier readers of the overwritten slots: MLX's graph orders a node after
-    // the writers of its inputs only, so they are inputs of the first copy.
-    if (i == 0) {
-      for (size_t a = 2 * n; a < inputs.size(); ++a) {
-        enc.set_input_array(inputs[a]);
-      }
+    // The earlier readers of the overwritten slots: MLX's CUDA graph orders a kernel
+    // after the writers of its inputs only, so they are inputs of every copy.
+    for (size_t a = 2 * n; a < inputs.size(); ++a) {
+      enc.set_input_array(inputs[a]);
     }
     copy_into(inputs[n + i], outputs[i], enc, prim.offset());
   }
