@@ -129,6 +129,20 @@ class QuantizeAppend : public mx::Primitive {
   int inputs_of(size_t i) const {
     return buffers() + 2 + (parts_[i].centered ? 1 : 0);
   }
+  /// Calls f(part, its first input, its first output) for each part in turn (the
+  /// backends' eval: one kernel launch per part).
+  template <typename F>
+  void for_each_part(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs,
+      F&& f) const {
+    size_t in = 0, out = 0;
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      f(parts_[i], &inputs[in], &outputs[out]);
+      in += inputs_of(i);
+      out += buffers();
+    }
+  }
   bool writes_codes() const {
     return target_ != AppendTarget::Scales;
   }

@@ -194,12 +194,9 @@ void quantize_append(
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  size_t in = 0, out = 0;
-  for (size_t i = 0; i < prim.parts().size(); ++i) {
-    append_part(prim, prim.parts()[i], s, &inputs[in], &outputs[out]);
-    in += prim.inputs_of(i);
-    out += prim.buffers();
-  }
+  prim.for_each_part(inputs, outputs, [&](const AppendPart& part, const mx::array* in, mx::array* out) {
+    append_part(prim, part, s, in, out);
+  });
 }
 
 void write_tokens(
