@@ -1205,6 +1205,40 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks):
             np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
+def test_copies_decode_apart_on_their_own_rings(copier):
+    # A copy taken while single-token steps run on the ring shares the ring's buffer;
+    # each cache then decodes its own tokens as a cache that was never copied does
+    # (the ring is written in place, so neither may write the shared one).
+    cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
+               calibration_tokens=16, seed=3)
+    rng = np.random.default_rng(57)
+    B, H, D = 1, 2, 64
+    k, v = _rand(rng, (B, H, 30, D)), _rand(rng, (B, H, 30, D))
+    q = _rand(rng, (B, 2 * H, 30, D))
+    first = [_rand(rng, (B, H, 1, D)) for _ in range(6)] + [_rand(rng, (B, 2 * H, 1, D))]
+    caches = [TurboQuantKVCache(**cfg) for _ in range(3)]
+    for c in caches:
+        c.update_and_fetch(k, v)
+        mx.eval(c.attention(q, 0.125, "causal"))
+        for i in range(3):  # ring steps
+            c.update_and_fetch(first[2 * i], first[2 * i + 1])
+            mx.eval(c.attention(first[6], 0.125, "causal"))
+    original, never_copied_a, never_copied_b = caches
+    assert original._ring is not None
+    twin = copier(original)
+    for step in range(12):
+        outs = []
+        for pair in ((original, never_copied_a), (twin, never_copied_b)):
+            k, v = _rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D))
+            q = _rand(rng, (B, 2 * H, 1, D))
+            for c in pair:
+                c.update_and_fetch(k, v)
+            outs.append([np.array(c.attention(q, 0.125, "causal")) for c in pair])
+        for got, want in outs:
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+
+
 def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     # With model-space tails, a single token's window write is deferred (a ring step
     # reads the ring, not the window) and done on the window's next read, or from the

@@ -1848,8 +1848,11 @@ class TurboQuantKVCache(_BaseCache):
         for key, value in self.__dict__.items():
             new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
         # A deep copy of an mx.array shares its buffer: neither cache may append to the
-        # shared buffers in place.
+        # shared buffers in place, nor write the shared ring in place (both start a ring
+        # of their own at their next decode step).
         self._buffers_private = new._buffers_private = False
+        for c in (self, new):
+            c._ring = c._ring_reader = c._ring_window = None
         return new
 
     def __copy__(self):
