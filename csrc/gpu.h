@@ -16,13 +16,14 @@ bool available();
 /// Name of the GPU backend compiled in: "cuda", "metal" or "none".
 const char* backend_name();
 
-/// One QuantizeAppend node: writes the buffers it names (codes, scales or both, in one
-/// kernel launch) into its outputs.
-void quantize_append(
+/// One part (tensor) of a QuantizeAppend node, one kernel launch: writes the buffers
+/// the node names (codes, scales or both) into `out`, its inputs from `in`.
+void quantize_append_part(
     const QuantizeAppend& prim,
+    const AppendPart& part,
     const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
+    const mx::array* in,
+    mx::array* out);
 
 /// One WriteTokens node (CUDA; the Metal backend raises: it has no kernel for it, and
 /// the Python layer writes with slice updates there).

@@ -22,11 +22,12 @@ namespace {
 }
 } // namespace
 
-void quantize_append(
+void quantize_append_part(
     const QuantizeAppend&,
+    const AppendPart&,
     const mx::Stream&,
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
+    const mx::array*,
+    mx::array*) {
   no_kernels("quantize_append");
 }
 

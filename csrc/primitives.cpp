@@ -8,13 +8,17 @@ namespace turboquant_mlx {
 void QuantizeAppend::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  cpu::quantize_append(*this, stream(), inputs, outputs);
+  walk_parts([&](const AppendPart& part, size_t in, size_t out) {
+    cpu::quantize_append_part(*this, part, stream(), &inputs[in], &outputs[out]);
+  });
 }
 
 void QuantizeAppend::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  gpu::quantize_append(*this, stream(), inputs, outputs);
+  walk_parts([&](const AppendPart& part, size_t in, size_t out) {
+    gpu::quantize_append_part(*this, part, stream(), &inputs[in], &outputs[out]);
+  });
 }
 
 bool QuantizeAppend::is_equivalent(const mx::Primitive& other) const {

@@ -109,11 +109,11 @@ class QuantizeAppend : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
-    for (size_t i = 0, in = 0; i < parts_.size(); in += inputs_of(i++)) {
+    walk_parts([&](const AppendPart&, size_t in, size_t) {
       for (int b = 0; b < buffers(); ++b) {
         shapes.push_back(inputs[in + b].shape());
       }
-    }
+    });
     return shapes;
   }
 
@@ -129,16 +129,13 @@ class QuantizeAppend : public mx::Primitive {
   int inputs_of(size_t i) const {
     return buffers() + 2 + (parts_[i].centered ? 1 : 0);
   }
-  /// Calls f(part, its first input, its first output) for each part in turn (the
-  /// backends' eval: one kernel launch per part).
+  /// Calls f(part, index of its first input, index of its first output) for each part
+  /// in turn.
   template <typename F>
-  void for_each_part(
-      const std::vector<mx::array>& inputs,
-      std::vector<mx::array>& outputs,
-      F&& f) const {
+  void walk_parts(F&& f) const {
     size_t in = 0, out = 0;
     for (size_t i = 0; i < parts_.size(); ++i) {
-      f(parts_[i], &inputs[in], &outputs[out]);
+      f(parts_[i], in, out);
       in += inputs_of(i);
       out += buffers();
     }

@@ -7,11 +7,14 @@
 
 namespace turboquant_mlx::cpu {
 
-void quantize_append(
+/// One part (tensor) of a QuantizeAppend node: its inputs from `in`, its buffers'
+/// outputs from `out`.
+void quantize_append_part(
     const QuantizeAppend& prim,
+    const AppendPart& part,
     const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
+    const mx::array* in,
+    mx::array* out);
 
 void write_tokens(
     const WriteTokens& prim,

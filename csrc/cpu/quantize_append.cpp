@@ -58,9 +58,9 @@ void take_buffer(
   });
 }
 
-// One part (tensor) of a QuantizeAppend node: its inputs from `in`, its buffers'
-// outputs from `out`.
-void append_part(
+} // namespace
+
+void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
     const mx::Stream& s,
@@ -184,18 +184,6 @@ void append_part(
         scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
       }
     }
-  });
-}
-
-} // namespace
-
-void quantize_append(
-    const QuantizeAppend& prim,
-    const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  prim.for_each_part(inputs, outputs, [&](const AppendPart& part, const mx::array* in, mx::array* out) {
-    append_part(prim, part, s, in, out);
   });
 }
 

@@ -457,16 +457,13 @@ const char* backend_name() {
   return "cuda";
 }
 
-namespace {
-
-/// One part (tensor) of a QuantizeAppend node, one launch: its inputs from `in`, its
-/// buffers' outputs from `out`.
-void append_part(
+void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
-    mx::cu::CommandEncoder& enc,
+    const mx::Stream& s,
     const mx::array* in,
     mx::array* out) {
+  auto& enc = mx::cu::get_command_encoder(s);
   const int nb = prim.buffers();
   for (int i = 0; i < nb; ++i) {
     take_buffer("quantize_append", in[i], out[i], prim.in_place(), enc);
@@ -517,19 +514,6 @@ void append_part(
   void* sc = scales ? mx::gpu_ptr<void>(*scales) : nullptr;
   dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
   enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, mp, cw, sc, p);
-}
-
-} // namespace
-
-void quantize_append(
-    const QuantizeAppend& prim,
-    const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  auto& enc = mx::cu::get_command_encoder(s);
-  prim.for_each_part(inputs, outputs, [&](const AppendPart& part, const mx::array* in, mx::array* out) {
-    append_part(prim, part, enc, in, out);
-  });
 }
 
 void attention(

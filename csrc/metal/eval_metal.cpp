@@ -193,11 +193,7 @@ const char* backend_name() {
   return "metal";
 }
 
-namespace {
-
-// One part (tensor) of a QuantizeAppend node, one dispatch: its inputs from `in`, its
-// buffers' outputs from `out`.
-void append_part(
+void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
     const mx::Stream& s,
@@ -262,18 +258,6 @@ void append_part(
   enc.dispatch_threadgroups(
       MTL::Size((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS, 1, 1),
       MTL::Size(TQ_QUANT_THREADS, 1, 1));
-}
-
-} // namespace
-
-void quantize_append(
-    const QuantizeAppend& prim,
-    const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  prim.for_each_part(inputs, outputs, [&](const AppendPart& part, const mx::array* in, mx::array* out) {
-    append_part(prim, part, s, in, out);
-  });
 }
 
 void attention(

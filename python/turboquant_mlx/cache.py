@@ -469,11 +469,10 @@ class TurboQuantKVCache(_BaseCache):
         # the window with the new one, so the tail is never concatenated again. In the
         # ops' tail space: the model's with _op_signs, else code space.
         self._ring = None
-        # The last op output that read the model-space ring and the window rebuilt from
-        # it since the last write: the next in-place write into the ring follows them
-        # (ops.write_tokens_kv's `after`).
-        self._ring_reader = None
-        self._ring_window = None
+        # What read the model-space ring since its last write (the attention op's
+        # output, the window rebuilt from it): the next in-place write into the ring
+        # follows them (ops.write_tokens_kv's `after`).
+        self._ring_readers = []
         # (position, key, value) of the last single tokens, for their quantization when
         # they leave the window: as they arrived (model space) with _op_signs, else the
         # code-space copies the ring steps made.
@@ -861,7 +860,7 @@ class TurboQuantKVCache(_BaseCache):
             if _RING_IN_PLACE:
                 # They read the ring: the next in-place write follows them (which also
                 # evaluates them with the next step, so that rebuilds do not chain).
-                self._ring_window = (wk, wv)
+                self._ring_readers += [wk, wv]
             else:
                 # Evaluated now: nothing may keep views of the ring past the next ring
                 # step.
@@ -1205,7 +1204,7 @@ class TurboQuantKVCache(_BaseCache):
                 ns, c = ring_step
                 tail = self._ring_write_new_token(ns)
                 out = self._model_space_op(queries, c, scale, tail=tail, final=True)[0]
-                self._ring_reader = out
+                self._ring_readers.append(out)
                 return out
         q0 = self.offset - L
         ns, c, wpos = self._layout()
@@ -1219,7 +1218,7 @@ class TurboQuantKVCache(_BaseCache):
                 queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail,
                 final=True)[0]
             if self._ring is not None and self._ring[0] is tail[0]:
-                self._ring_reader = out
+                self._ring_readers.append(out)
             return out
         parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
@@ -1269,7 +1268,7 @@ class TurboQuantKVCache(_BaseCache):
         tail_v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         if starts_ring:
             self._ring = (tail_k, tail_v, self.offset)
-            self._ring_reader = None
+            self._ring_readers = []
         return tail_k, tail_v
 
     def _ring_write_new_token(self, ns: int):
@@ -1283,10 +1282,7 @@ class TurboQuantKVCache(_BaseCache):
         if _RING_IN_PLACE:
             # The ring's buffers are this cache's own (see _model_space_tail); the slot's
             # last reader was the previous step's attention.
-            after = [] if self._ring_reader is None else [self._ring_reader]
-            if self._ring_window is not None:
-                after += self._ring_window
-                self._ring_window = None
+            after, self._ring_readers = self._ring_readers, []
             tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
                                                  after=after)
         else:
@@ -1852,7 +1848,7 @@ class TurboQuantKVCache(_BaseCache):
         # of their own at their next decode step).
         self._buffers_private = new._buffers_private = False
         for c in (self, new):
-            c._ring = c._ring_reader = c._ring_window = None
+            c._ring, c._ring_readers = None, []
         return new
 
     def __copy__(self):

@@ -144,7 +144,7 @@ def quantize_append_kv(
     return kc, ks, vc, vs
 
 
-_metal_build = None  # whether the GPU kernels are Metal's (asked once)
+_METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal kernel)
 
 
 def write_tokens_kv(
@@ -162,16 +162,14 @@ def write_tokens_kv(
     node: other arrays that share a buffer see the new tokens, so the caller must own
     them. ``after``: arrays the write must follow (earlier readers of the overwritten
     slots), which become inputs of the node. Where the build has no kernel for it (Metal
-    GPU streams, GPU streams of a build without GPU kernels) the tokens go in with slice updates, which MLX makes in place when
-    nothing else holds the buffer and as a copy otherwise.
+    GPU streams, GPU streams of a build without GPU kernels) the tokens go in with slice
+    updates, which MLX makes in place when nothing else holds the buffer and as a copy
+    otherwise.
 
     Returns:
         tuple[array, array]: ``(k_buffer, v_buffer)``.
     """
-    global _metal_build
-    if _metal_build is None:
-        _metal_build = _ext.gpu_backend() == "metal"
-    if has_kernels(stream) and (not _metal_build or _device(stream).type == mx.cpu):
+    if has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu):
         return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
                                           after=list(after), stream=stream))
     n = keys.shape[2]
