@@ -40,7 +40,8 @@ TURBOQUANT_OP_ROTATION=0), ``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a 
 in-place append of keys and values built as one graph node per tensor / per buffer
 instead of one: TURBOQUANT_APPEND_NODES), ``NAME:ringslices`` (a window preset NAME
 writing its ring of recent tokens with two slice updates instead of one in-place node:
-TURBOQUANT_RING_IN_PLACE=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+TURBOQUANT_RING_IN_PLACE=0), ``NAME:outf32`` (cache NAME with the attention op writing
+float32 and a conversion node after it: TURBOQUANT_OUT_IN_MODEL_DTYPE=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -142,17 +143,21 @@ class variant:
     ending in ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
     graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
     one ending in ``:ringslices``, with the ring of a window preset written by slice
-    updates (TURBOQUANT_RING_IN_PLACE=0)."""
+    updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in ``:outf32``, with the
+    attention op's output in float32 and converted after it."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
         self.ring_in_place = not name.endswith(":ringslices")
+        self.out_in_model_dtype = not name.endswith(":outf32")
         m = re.search(r":nodes(\d)$", name)
         self.nodes = m.group(1) if m else None
 
     def __enter__(self):
         self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
         self.saved_ring, tq_cache._RING_IN_PLACE = tq_cache._RING_IN_PLACE, self.ring_in_place
+        self.saved_out, tq_cache._OUT_IN_MODEL_DTYPE = (tq_cache._OUT_IN_MODEL_DTYPE,
+                                                        self.out_in_model_dtype)
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
@@ -160,6 +165,7 @@ class variant:
     def __exit__(self, *exc):
         tq_cache._OP_ROTATION = self.saved
         tq_cache._RING_IN_PLACE = self.saved_ring
+        tq_cache._OUT_IN_MODEL_DTYPE = self.saved_out
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
@@ -187,7 +193,8 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices"))
+    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices")
+                  .removesuffix(":outf32"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

@@ -132,23 +132,39 @@ def driver(a):
         print(head)
         print("|---:|---:|" + "---:|---:|---:|" * len(pairs))
         for n in lengths:
-            if a.no_sdpa:
-                t_sdpa, parts_sdpa = math.nan, {}
-            else:
-                t_sdpa, parts_sdpa = ncu_call_time(
-                    ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control)
+            # Repeats alternate the methods (SDPA, then each bit pair), so that a drift of
+            # the clocks between runs moves both sides of a ratio alike.
+            t_sdpa_runs, t_runs = [], {pair: [] for pair in pairs}
+            details = []
+            for _ in range(a.repeats):
+                if a.no_sdpa:
+                    t_sdpa, parts_sdpa = math.nan, {}
+                else:
+                    t_sdpa, parts_sdpa = ncu_call_time(
+                        ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control)
+                t_sdpa_runs.append(t_sdpa)
+                details.append(f"sdpa {t_sdpa:.1f} {parts_sdpa}")
+                for kb, vb in pairs:
+                    t, parts = ncu_call_time(
+                        ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
+                         "--tail", str(a.tail), *shape]
+                        + (["--op-rotation"] if a.op_rotation else [])
+                        + (["--centered"] if a.centered else []), a.calls, a.cache_control)
+                    t_runs[(kb, vb)].append(t)
+                    details.append(f"K{kb}V{vb} {t:.1f} (" + ", ".join(
+                        f"{k} {v:.1f}" for k, v in parts.items()) + f"), x{t_sdpa / t:.2f}")
+            t_sdpa = statistics.median(t_sdpa_runs)
             line = f"| {n // 1024}k | {t_sdpa:.1f} |"
-            details = [f"sdpa {parts_sdpa}"]
             for kb, vb in pairs:
-                t, parts = ncu_call_time(
-                    ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
-                     "--tail", str(a.tail), *shape]
-                    + (["--op-rotation"] if a.op_rotation else [])
-                    + (["--centered"] if a.centered else []), a.calls, a.cache_control)
+                ts = t_runs[(kb, vb)]
+                t = statistics.median(ts)
                 nbytes = hkv * n * (d * (kb + vb) // 8 + 4)
                 pct = f"{100 * nbytes / (t * 1e-6) / bw:.0f}%"
-                line += f" {t:.1f} | {t_sdpa / t:.2f}x | {pct} |"
-                details.append(f"K{kb}V{vb} " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+                ratios = [s / x for s, x in zip(t_sdpa_runs, ts)]
+                ratio = f"{statistics.median(ratios):.2f}x"
+                if a.repeats > 1:  # median of the paired ratios, and their range
+                    ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+                line += f" {t:.1f} | {ratio} | {pct} |"
             print(line, flush=True)
             for x in details:
                 print(f"    {n // 1024}k {x}", file=sys.stderr)
@@ -170,6 +186,9 @@ def main():
     p.add_argument("--centered", action="store_true",
                    help="key and value means, as a mean-centered cache (tq4) calls the op")
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measurements of each method per context, alternating; the table "
+                        "gives medians, and with more than one the range of the paired ratios")
     p.add_argument("--lengths", default="4096,32768,131072,262144")
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
     p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")

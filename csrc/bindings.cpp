@@ -172,6 +172,7 @@ NB_MODULE(_ext, m) {
       "rotate_output"_a = true,
       "key_mean"_a = nb::none(),
       "value_mean"_a = nb::none(),
+      "out_dtype"_a = nb::none(),
       "stream"_a = nb::none(),
       R"(Attention of queries ``(B, Hq, L<=8, D)`` over the compressed cache and, when
         given, the tail: up to 256 uncompressed keys and values ``(B, Hkv, T, D)`` in
@@ -187,9 +188,13 @@ NB_MODULE(_ext, m) {
         ``mean``) and the tail was not; the op adds them back, so that ``out`` and
         ``lse`` are those of the uncentered keys and values.
 
+        ``out_dtype`` (float32 when None; float16 or bfloat16): ``out`` in that dtype,
+        written by the kernels (a decode step's layer output without a conversion of
+        its own; on Metal converted after the kernels).
+
         Returns:
-            list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` float32 and the
-            log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.)");
+            list[array]: ``[out, lse]``: ``out`` ``(B, Hq, L, D)`` (``out_dtype``) and the
+            float32 log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores.)");
 
   m.def(
       "dequantize",

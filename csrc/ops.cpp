@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "gpu.h"
 #include "message.h"
 #include "metal/tq_params.h"
 #include "primitives.h"
@@ -505,6 +506,7 @@ std::vector<mx::array> compressed_attention(
     bool rotate_output,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,
+    std::optional<mx::Dtype> out_dtype,
     mx::StreamOrDevice s) {
   constexpr const char* op = "compressed_attention";
   int k_cap = check_cache(op, "key", k_codes, k_scales, k_centroids, key_bits);
@@ -667,11 +669,25 @@ std::vector<mx::array> compressed_attention(
     inputs.push_back(
         mean_input(op, "value_mean", *value_mean, batch, n_kv_heads, head_dim, stream));
   }
-  return mx::array::make_arrays(
+  const mx::Dtype want = out_dtype.value_or(mx::float32);
+  if (want != mx::float32 && want != mx::float16 && want != mx::bfloat16) {
+    fail(op, "out_dtype must be float32, float16 or bfloat16, got ", dtype_str(want), ".");
+  }
+  // The CPU eval writes out in any of them; the CUDA merge kernel in float32 or the
+  // queries' type; Metal's in float32. Otherwise a node of its own converts it.
+  const bool on_cpu = stream.device == mx::Device::cpu;
+  const bool cuda = !on_cpu && std::string(gpu::backend_name()) == "cuda";
+  const bool direct = on_cpu || want == mx::float32 || (cuda && want == inputs[0].dtype());
+  params.out_dtype = direct ? want : mx::float32;
+  auto outs = mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},
-      {mx::float32, mx::float32},
+      {params.out_dtype, mx::float32},
       std::make_shared<CompressedAttention>(stream, params),
       std::move(inputs));
+  if (params.out_dtype != want) {
+    outs[0] = mx::astype(outs[0], want, stream);
+  }
+  return outs;
 }
 
 mx::array dequantize(

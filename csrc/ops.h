@@ -117,6 +117,7 @@ std::vector<mx::array> compressed_attention(
     bool rotate_output = true,
     const std::optional<mx::array>& key_mean = std::nullopt,
     const std::optional<mx::array>& value_mean = std::nullopt,
+    std::optional<mx::Dtype> out_dtype = std::nullopt,
     mx::StreamOrDevice s = {});
 
 /// Decodes tokens [start, start + length) into rotated-space float32 vectors

@@ -229,12 +229,16 @@ struct AttentionParams {
   // The compressed tokens were stored minus per-head means (the last two inputs) and
   // the tail was not: the op adds them back, so out and lse are the uncentered ones.
   bool centered;
+  // out's dtype: float32, or the queries' float16 / bfloat16 (a decode step's layer
+  // output, then without a conversion node of its own). lse is float32.
+  mx::Dtype out_dtype = mx::float32;
 
   bool operator==(const AttentionParams& o) const {
     return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
         value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
         mask_is_bool == o.mask_is_bool && has_tail == o.has_tail &&
-        rotation == o.rotation && rotate_output == o.rotate_output && centered == o.centered;
+        rotation == o.rotation && rotate_output == o.rotate_output && centered == o.centered &&
+        out_dtype == o.out_dtype;
   }
   // Positions of the optional inputs (see CompressedAttention).
   int tail_input() const {
@@ -252,7 +256,7 @@ struct AttentionParams {
 ///          [, tail_k, tail_v (B,Hkv,T,D): keys every query sees, unmasked, in q's
 ///          type (float32 on the CPU) and space (the model's when `rotation` is set)]
 ///          [, key_mean, value_mean (B,Hkv,1,D) f32 when `centered`]
-/// outputs: out (B,Hq,L,D) f32, lse (B,Hq,L) f32
+/// outputs: out (B,Hq,L,D) f32 or the queries' type (params().out_dtype), lse (B,Hq,L) f32
 class CompressedAttention : public mx::Primitive {
  public:
   CompressedAttention(mx::Stream stream, AttentionParams params)

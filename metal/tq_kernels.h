@@ -570,8 +570,9 @@ TQ_FN void tq_attention_impl(
 /// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
 /// COMPACT: fewer loads in flight (4 partials per coordinate, one tail key per group,
 /// 16 tail values staged) and at most TQ_MERGE_COMPACT_SPLITS splits, for a caller with fewer registers to
-/// spare (the CUDA tensor-core kernel's fused merge).
-template <typename QT, int D, bool COMPACT = false>
+/// spare (the CUDA tensor-core kernel's fused merge). OT: out's type (float, or the
+/// queries' type: the layer's output without a conversion of its own).
+template <typename QT, int D, bool COMPACT = false, typename OT = float>
 TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* TQ_RESTRICT o_part,
     const TQ_DEV float* TQ_RESTRICT ml_part,
@@ -580,7 +581,7 @@ TQ_FN void tq_attention_merge_impl(
     const TQ_DEV QT* TQ_RESTRICT tail_v,
     const TQ_DEV float* TQ_RESTRICT key_mean,
     const TQ_DEV float* TQ_RESTRICT value_mean,
-    TQ_DEV float* TQ_RESTRICT out,
+    TQ_DEV OT* TQ_RESTRICT out,
     TQ_DEV float* TQ_RESTRICT lse,
     TQ_CONST TQMergeParams& p,
     TQ_TG float* smem,
@@ -820,7 +821,7 @@ TQ_FN void tq_attention_merge_impl(
     if (unrotate) {
       qs[d] = oc; // the tail scores are done with the query row
     } else {
-      out[int64_t(row) * D + d] = ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f;
+      tq_store_out(out + int64_t(row) * D + d, ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f);
     }
   }
   if (unrotate) { // R^T o = s (H o) / sqrt(D), then the tail and means (model space)
@@ -833,7 +834,7 @@ TQ_FN void tq_attention_merge_impl(
       }
       const float y = qs[d] * p.rot.scale;
       const float oc = tq_rot_negates(p.rot, d) ? -y : y;
-      out[int64_t(row) * D + d] = ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f;
+      tq_store_out(out + int64_t(row) * D + d, ll > 0.0f ? (oc + tail_o[k]) / ll : 0.0f);
     }
   }
   if (th.tid == 0) {

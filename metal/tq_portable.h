@@ -83,6 +83,12 @@ TQ_FN tq_half tq_to_half_rn(float x) {
 TQ_FN float tq_bits_to_float(uint x) {
   return as_type<float>(x);
 }
+TQ_FN uint tq_float_to_bits(float x) {
+  return as_type<uint>(x);
+}
+TQ_FN void tq_store_out(TQ_DEV half* p, float x) {
+  *p = half(x);
+}
 
 #else
 
@@ -101,8 +107,25 @@ TQ_FN tq_half tq_to_half_rn(float x) {
 TQ_FN float tq_bits_to_float(unsigned int x) {
   return __uint_as_float(x);
 }
+TQ_FN unsigned int tq_float_to_bits(float x) {
+  return __float_as_uint(x);
+}
+TQ_FN void tq_store_out(TQ_DEV __half* p, float x) {
+  *p = __float2half_rn(x);
+}
 
 #endif
+
+/// An output element in the output's type: float as it is; half / bfloat16 (raw bits)
+/// rounded to nearest even, as MLX's astype rounds.
+TQ_FN void tq_store_out(TQ_DEV float* p, float x) {
+  *p = x;
+}
+TQ_FN void tq_store_out(TQ_DEV ushort* p, float x) {
+  const tq_uint u = tq_float_to_bits(x);
+  *p = (u & 0x7fffffffu) > 0x7f800000u ? ushort((u >> 16) | 0x40u) // NaN stays NaN
+                                       : ushort((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // ------------------------------------------------------------------ arithmetic
 

@@ -860,6 +860,50 @@ def test_attention_with_tail(kwargs, impl):
     assert_attention_close(*result, rtol=max(rtol, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", (mx.float16, mx.bfloat16))
+@pytest.mark.parametrize("model_space", (True, False))
+def test_attention_out_dtype_is_the_float32_out_rounded(dtype, model_space, tmp_path):
+    # out_dtype: the kernels write `out` in that dtype, and it is the float32 out of the
+    # same call rounded to it (the decode step's output without a conversion node).
+    # With the rotation, tail and means (the merge writes out, as for float32) it is
+    # bit-identical; without them a GPU may take another path for float32 (one split
+    # written by the attention kernel), so there it is compared within the dtype's
+    # precision.
+    from turboquant_mlx import _ext
+
+    rng = np.random.default_rng(3 if model_space else 4)
+    B, Hkv, group, L, kv_len, D = 1, 2, 4, 1, 300, 128
+    k_words, k_scales, _ = reference_cache(rng, B, Hkv, 320, kv_len, D, 4)
+    v_words, v_scales, _ = reference_cache(rng, B, Hkv, 320, kv_len, D, 4)
+    q = mx.array(rng.standard_normal((B, Hkv * group, L, D)).astype(np.float32)).astype(dtype)
+    args = (q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
+            mx.array(centroids_np(D, 4)), mx.array(centroids_np(D, 4)), kv_len, 0.09, 4, 4,
+            False)
+    kw = {}
+    if model_space:
+        tail = mx.array(rng.standard_normal((B, Hkv, 5, D)).astype(np.float32)).astype(dtype)
+        mean = mx.array(0.1 * rng.standard_normal((B, Hkv, 1, D)).astype(np.float32))
+        kw = dict(tail_k=tail, tail_v=tail * 0.5,
+                  rotation_signs=Rotation(D, seed=1).kernel_signs,
+                  key_mean=mean, value_mean=-mean)
+    out32, lse32 = ops.compressed_attention(*args, **kw)
+    out, lse = ops.compressed_attention(*args, out_dtype=dtype, **kw)
+    assert out.dtype == dtype and lse.dtype == mx.float32
+    if mx.default_device() == mx.cpu or _ext.gpu_backend() == "cuda":
+        # written by the op's own node, no conversion after it
+        assert graph_nodes(tmp_path / "g.dot", out)[-1] == "CompressedAttention"
+    want = np.array(out32.astype(dtype).astype(mx.float32))
+    got = np.array(out.astype(mx.float32))
+    if model_space or mx.default_device() == mx.cpu:
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.array(lse), np.array(lse32))
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    with pytest.raises(ValueError) as excinfo:
+        ops.compressed_attention(*args, out_dtype=mx.int32, **kw)
+    assert_op_error(excinfo, "compressed_attention", "out_dtype", "int32")
+
+
 def test_attention_tail_rescues_fully_masked_rows():
     # Rows whose compressed keys are all masked still see the tail: finite lse, and
     # the output is the tail's attention alone.

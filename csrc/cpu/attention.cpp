@@ -357,10 +357,18 @@ void attention(
                     vs = inputs[4].data<mx::float16_t>(),
                     kcent = inputs[5].data<float>(),
                     vcent = inputs[6].data<float>(),
-                    out_ptr = out.data<float>(),
+                    out_raw = out.data<void>(),
+                    out_dtype = out.dtype(),
                     lse_ptr = lse.data<float>()]() {
     const int64_t n_rows = static_cast<int64_t>(sh.batch) * sh.q_heads * sh.q_len;
     const int D = sh.head_dim;
+    // The kernel writes float32; another out dtype is converted from scratch after it.
+    std::vector<float> out_scratch;
+    float* out_ptr = static_cast<float*>(out_raw);
+    if (out_dtype != mx::float32) {
+      out_scratch.resize(n_rows * D);
+      out_ptr = out_scratch.data();
+    }
     // Queries in model space: rotate them into scratch.
     std::vector<float> q_rotated;
     const float* q_in = q_ptr;
@@ -375,6 +383,17 @@ void attention(
             tail_len, key_mean, value_mean, out_ptr, lse_ptr);
       });
     });
+    if (out_dtype == mx::float16) {
+      auto* o = static_cast<mx::float16_t*>(out_raw);
+      for (int64_t i = 0; i < n_rows * D; ++i) {
+        o[i] = static_cast<mx::float16_t>(out_ptr[i]);
+      }
+    } else if (out_dtype == mx::bfloat16) {
+      auto* o = static_cast<mx::bfloat16_t*>(out_raw);
+      for (int64_t i = 0; i < n_rows * D; ++i) {
+        o[i] = static_cast<mx::bfloat16_t>(out_ptr[i]);
+      }
+    }
   });
 }
 

@@ -622,7 +622,9 @@ void attention(
   p.split_len = split_len;
   // The merge attends to the tail, rotates the output back to model space and adds
   // the means back, so with any of them a single split writes partials too.
-  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output || ap.centered;
+  // An out in the queries' type is written by the merge kernel only.
+  const bool out_f32 = ap.out_dtype == mx::float32;
+  const bool partials = splits > 1 || ap.has_tail || ap.rotate_output || ap.centered || !out_f32;
   p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;
@@ -680,7 +682,7 @@ void attention(
   // 15.6 / 53.0 / 93.2 µs fused against 11.7 / 50.1 / 90.1 with the merge kernel (the
   // last block's merge, its fences and the arrival atomics sit on the critical path).
   unsigned int* merge_count = nullptr;
-  if (partials && msh.fused_merge && splits <= TQ_MERGE_COMPACT_SPLITS &&
+  if (partials && out_f32 && msh.fused_merge && splits <= TQ_MERGE_COMPACT_SPLITS &&
       env_int("TURBOQUANT_FUSED_MERGE", 0) != 0 && kernel_binary_arch(mma_sym) >= 90) {
     merge_count = merge_counters(enc.device().cuda_device(), B * Hkv * n_chunks);
   }
@@ -725,7 +727,8 @@ void attention(
   const void* vsp = mx::gpu_ptr<void>(vs);
   const float* kcentp = cptr<float>(kcent);
   const float* vcentp = cptr<float>(vcent);
-  float* outp = mptr<float>(out);
+  // (the attention kernels write out only when it is float32: see partials)
+  float* outp = out_f32 ? mptr<float>(out) : nullptr;
   float* lsep = mptr<float>(lse);
   dim3 grid(n_chunks, splits, B * Hkv);
   if (mma_sym != nullptr) {
@@ -745,15 +748,22 @@ void attention(
     const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
         : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
                                                    : ck::QType::Float32;
-    auto fm = get_function(ck::attention_merge_kernel(D, qt), "compressed_attention merge");
+    if (!out_f32 && out.dtype() != q.dtype()) {
+      throw std::invalid_argument(
+          "[turboquant_mlx.compressed_attention] out_dtype must be float32 or the queries' "
+          "dtype on CUDA.");
+    }
+    auto fm = get_function(
+        ck::attention_merge_kernel(D, qt, !out_f32), "compressed_attention merge");
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
     final_node_io();
     const float* opc = op;
     const float* mlc = mlp;
+    void* outv = mx::gpu_ptr<void>(out);
     enc.add_kernel_node_ex(
         fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, qp, tkp, tvp,
-        kmp, vmp, outp, lsep, mp);
+        kmp, vmp, outv, lsep, mp);
   }
 }
 

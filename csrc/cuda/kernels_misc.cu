@@ -3,20 +3,20 @@
 
 namespace turboquant_mlx::cuda_kernels {
 
-const void* attention_merge_kernel(int d, QType q) {
+const void* attention_merge_kernel(int d, QType q, bool out_in_q_type) {
   const void* k = nullptr;
   dispatch_head_dim(d, [&](auto dd) {
     constexpr int D = decltype(dd)::value;
+    auto pick = [&](auto qt) {
+      using QT = decltype(qt);
+      k = out_in_q_type
+          ? reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, QT>)
+          : reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, float>);
+    };
     switch (q) {
-      case QType::Float32:
-        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<float, D>);
-        break;
-      case QType::Float16:
-        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<__half, D>);
-        break;
-      case QType::BFloat16:
-        k = reinterpret_cast<const void*>(&tq_attention_merge_kernel<unsigned short, D>);
-        break;
+      case QType::Float32: pick(0.0f); break;
+      case QType::Float16: pick(__half{}); break;
+      case QType::BFloat16: pick(static_cast<unsigned short>(0)); break;
     }
   });
   return k;

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_kernel(
       ml_part, p, smem, tq_thread());
 }
 
-template <typename QT, int D>
+template <typename QT, int D, typename OT>
 __global__ void __launch_bounds__(TQ_MERGE_THREADS, 1) tq_attention_merge_kernel(
     const float* __restrict__ o_part,
     const float* __restrict__ ml_part,
@@ -48,11 +48,11 @@ __global__ void __launch_bounds__(TQ_MERGE_THREADS, 1) tq_attention_merge_kernel
     const QT* __restrict__ tail_v,
     const float* __restrict__ key_mean,
     const float* __restrict__ value_mean,
-    float* __restrict__ out,
+    OT* __restrict__ out,
     float* __restrict__ lse,
     const __grid_constant__ TQMergeParams p) {
   __shared__ float smem[TQ_MERGE_SMEM];
-  tq_attention_merge_impl<QT, D>(
+  tq_attention_merge_impl<QT, D, false, OT>(
       o_part, ml_part, q, tail_k, tail_v, key_mean, value_mean, out, lse, p, smem, tq_thread());
 }
 
@@ -103,7 +103,9 @@ const void* attention_kernel_f16_lo(int d, int kb, int vb);
 const void* attention_kernel_f16_hi(int d, int kb, int vb);
 const void* attention_kernel_bf16_lo(int d, int kb, int vb);
 const void* attention_kernel_bf16_hi(int d, int kb, int vb);
-const void* attention_merge_kernel(int d, QType q);
+/// The split-K merge for queries of type q, writing out as float32 or (out_in_q_type)
+/// in q's type.
+const void* attention_merge_kernel(int d, QType q, bool out_in_q_type = false);
 const void* quantize_kernel(int d, int b, QType x);
 const void* dequantize_kernel(int b);
 const void* copy_kernel(int itemsize);

@@ -172,6 +172,11 @@ _OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
 # the slice updates.
 _RING_IN_PLACE = os.environ.get("TURBOQUANT_RING_IN_PLACE", "1") != "0"
 
+# A decode step's attention op writes the layer's output in the model's dtype, so that
+# the layer needs no conversion node after it. TURBOQUANT_OUT_IN_MODEL_DTYPE=0 has the
+# op write float32 and converts it (one more node and kernel per layer).
+_OUT_IN_MODEL_DTYPE = os.environ.get("TURBOQUANT_OUT_IN_MODEL_DTYPE", "1") != "0"
+
 
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
@@ -1185,20 +1190,20 @@ class TurboQuantKVCache(_BaseCache):
         if simple and self._n_comp == self.offset:
             # Every token compressed (the plain codec): the step's Python time is most of
             # its cost, so it skips the bookkeeping below.
-            return self._model_space_op(queries, self._n_comp, scale)[0]
+            return self._model_space_op(queries, self._n_comp, scale, final=True)[0]
         if (simple and self.fp16_recent_tokens == 0 and self._n_comp > 0
                 and self._sink_k is not None
                 and self._sink_k.shape[2] + self._n_comp == self.offset):
             # The sinks and the compressed tokens, no window: the tail is the sinks, as
             # the segment list below would give it.
             return self._model_space_op(
-                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v))[0]
+                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v), final=True)[0]
         if simple:
             ring_step = self._ring_step_layout()
             if ring_step is not None:
                 ns, c = ring_step
                 tail = self._ring_write_new_token(ns)
-                out = self._model_space_op(queries, c, scale, tail=tail)[0]
+                out = self._model_space_op(queries, c, scale, tail=tail, final=True)[0]
                 self._ring_readers.append(out)
                 return out
         q0 = self.offset - L
@@ -1210,7 +1215,8 @@ class TurboQuantKVCache(_BaseCache):
         if one_call:
             tail = self._model_space_tail(segments, ns, wpos, L)
             out = self._model_space_op(
-                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail)[0]
+                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail,
+                final=True)[0]
             if self._ring is not None and self._ring[0] is tail[0]:
                 self._ring_readers.append(out)
             return out
@@ -1225,15 +1231,18 @@ class TurboQuantKVCache(_BaseCache):
         return merge_attention(parts)[0]
 
     def _model_space_op(self, queries, c: int, scale: float, causal: bool = False,
-                        op_mask=None, tail=(None, None)):
+                        op_mask=None, tail=(None, None), final: bool = False):
         """``(out, lse)`` of the op over the ``c`` compressed tokens and a model-space
-        ``tail`` (keys, values), from the model's queries, in the model's space."""
+        ``tail`` (keys, values), from the model's queries, in the model's space.
+        ``final``: ``out`` is the layer's output, written in the queries' dtype (else
+        float32, for merging with other parts)."""
         return ops.compressed_attention(
             queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._k_centroids, self._v_centroids, c, scale, self.key_bits,
             self.value_bits, causal, op_mask, tail_k=tail[0], tail_v=tail[1],
             rotation_signs=self._op_signs(), rotate_output=self.rotate_values,
             key_mean=self._mu_k, value_mean=self._mu_v,
+            out_dtype=queries.dtype if final and _OUT_IN_MODEL_DTYPE else None,
         )
 
     def _model_space_tail(self, segments, ns: int, wpos: int, L: int):

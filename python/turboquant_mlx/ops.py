@@ -204,6 +204,7 @@ def compressed_attention(
     rotate_output: bool = True,
     key_mean: Optional[mx.array] = None,
     value_mean: Optional[mx.array] = None,
+    out_dtype: Optional[mx.Dtype] = None,
     stream=None,
 ):
     """Attention of queries ``(B, Hq, L<=8, D)`` over the first ``kv_len`` tokens and,
@@ -221,10 +222,13 @@ def compressed_attention(
     compressed tokens were appended with those means (:func:`quantize_append`'s
     ``mean``) and the tail was not; the op adds them back.
 
+    ``out_dtype`` (float32 when None; float16 or bfloat16): ``out`` in that dtype, as
+    the kernels write it (a decode step's layer output then needs no conversion node).
+
     Returns:
-        tuple[array, array]: ``out`` ``(B, Hq, L, D)`` float32 (rotated space, or model
-        space with ``rotation_signs`` and ``rotate_output``) and the log-sum-exp
-        ``(B, Hq, L)`` of the scaled, masked scores (of the uncentered keys).
+        tuple[array, array]: ``out`` ``(B, Hq, L, D)`` (``out_dtype``; rotated space, or
+        model space with ``rotation_signs`` and ``rotate_output``) and the float32
+        log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores (of the uncentered keys).
     """
     if has_kernels(stream):
         out, lse = _ext.compressed_attention(
@@ -232,7 +236,7 @@ def compressed_attention(
             kv_len, scale, key_bits, value_bits, causal, mask,
             tail_k=tail_k, tail_v=tail_v, rotation_signs=rotation_signs,
             rotate_output=rotate_output, key_mean=key_mean, value_mean=value_mean,
-            stream=stream,
+            out_dtype=out_dtype, stream=stream,
         )
         return out, lse
     if (key_mean is None) != (value_mean is None):
@@ -240,12 +244,18 @@ def compressed_attention(
             "[turboquant_mlx.compressed_attention] key_mean and value_mean must be given "
             "together."
         )
+    if out_dtype not in (None, mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(
+            "[turboquant_mlx.compressed_attention] out_dtype must be float32, float16 or "
+            f"bfloat16, got {out_dtype}."
+        )
     with mx.stream(stream) if stream is not None else _nullcontext():
-        return fallback.compressed_attention(
+        out, lse = fallback.compressed_attention(
             q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask, tail_k, tail_v,
             rotation_signs, rotate_output, key_mean, value_mean,
         )
+        return (out if out_dtype is None else out.astype(out_dtype)), lse
 
 
 def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *, stream=None):
