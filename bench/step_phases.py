@@ -9,10 +9,20 @@ is called on it (host: encode and launch), then its token is waited for
 (``.item()``), one step at a time, so the three phases do not overlap. Medians over
 ``--steps`` steps per cache and context; caches are timed in interleaved rounds.
 
+``TQ_PROFILE=N`` also profiles the build and launch phases with cProfile and prints each
+cache's N functions with the most time of their own (a C++ call counts to its Python
+caller; ``_launch`` is the launch). ``TQ_PROFILER_RANGE=1`` brackets the timed rounds with
+cuProfilerStart/Stop, for ``nsys profile --capture-range=cudaProfilerApi``.
+
 Usage:
   python bench/step_phases.py --contexts 4096,131072 --caches fp16,k4v4
+  TQ_PROFILE=25 python bench/step_phases.py --contexts 4096 --caches k4v4,tq4
 """
 
+import cProfile
+import io
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -22,16 +32,32 @@ import mlx.core as mx
 import bench_decode as bd
 
 
-def phases(model, caches, steps):
+def _profiler_range(start):
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if start else lib.cuProfilerStop)()
+
+
+def _launch(y):
+    """(a function of its own, so that a profile lists the launch apart)"""
+    mx.async_eval(y)
+
+
+def phases(model, caches, steps, profile=None):
     tok = mx.array([1], dtype=mx.int32)
     out = {"build": [], "launch": [], "wait": []}
     for i in range(steps):
+        if profile is not None and i >= 2:
+            profile.enable()
         t0 = time.perf_counter()
         logits = model(tok[:, None], cache=caches)[:, -1]
         y = mx.argmax(logits, axis=-1).astype(mx.int32)
         t1 = time.perf_counter()
-        mx.async_eval(y)
+        _launch(y)
         t2 = time.perf_counter()
+        if profile is not None and i >= 2:
+            profile.disable()
         y.item()
         t3 = time.perf_counter()
         if i >= 2:  # warm-up
@@ -59,16 +85,27 @@ def main(argv=None):
                 bd.fill(caches, ctx, a, dtype)
             held[name] = caches
         times = {n: {"build": [], "launch": [], "wait": []} for n in names}
+        top = int(os.environ.get("TQ_PROFILE", "0"))
+        profiles = {n: cProfile.Profile() for n in names} if top else {}
+        if os.environ.get("TQ_PROFILER_RANGE") == "1":
+            _profiler_range(True)
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 with bd.variant(name):
-                    got = phases(model, held[name], a.steps + 2)
+                    got = phases(model, held[name], a.steps + 2, profiles.get(name))
                 for k, v in got.items():
                     times[name][k] += v
+        if os.environ.get("TQ_PROFILER_RANGE") == "1":
+            _profiler_range(False)
         for name in names:
             med = {k: statistics.median(v) * 1e3 for k, v in times[name].items()}
             print(f"| {ctx // 1024}k | {name} | {med['build']:.2f} | {med['launch']:.2f} | "
                   f"{med['wait']:.2f} | {sum(med.values()):.2f} |", flush=True)
+        for name, prof in profiles.items():
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+            print(f"\n#### {ctx // 1024}k {name}: build + launch, "
+                  f"{len(times[name]['build'])} steps\n{text.getvalue()}", flush=True)
         del held
         mx.clear_cache()
     return 0
