@@ -7,7 +7,9 @@ node: each primitive's ``eval_gpu`` runs on the host here) and waiting for the d
 The 8B-shaped model of ``bench_decode.py``; each step is built, then ``mx.async_eval``
 is called on it (host: encode and launch), then its token is waited for
 (``.item()``), one step at a time, so the three phases do not overlap. Medians over
-``--steps`` steps per cache and context; caches are timed in interleaved rounds.
+``--steps`` steps per cache and context after ``--warmup`` untimed ones in each of the
+interleaved rounds. (A window preset's first ``fp16_recent_tokens`` steps after the
+prefill differ from the later ones: ``--warmup 40`` times the steady state.)
 
 ``TQ_PROFILE=N`` also profiles the build and launch phases with cProfile and prints each
 cache's N functions with the most time of their own (a C++ call counts to its Python
@@ -44,11 +46,11 @@ def _launch(y):
     mx.async_eval(y)
 
 
-def phases(model, caches, steps, profile=None):
+def phases(model, caches, steps, warmup, profile=None):
     tok = mx.array([1], dtype=mx.int32)
     out = {"build": [], "launch": [], "wait": []}
     for i in range(steps):
-        if profile is not None and i >= 2:
+        if profile is not None and i >= warmup:
             profile.enable()
         t0 = time.perf_counter()
         logits = model(tok[:, None], cache=caches)[:, -1]
@@ -56,11 +58,11 @@ def phases(model, caches, steps, profile=None):
         t1 = time.perf_counter()
         _launch(y)
         t2 = time.perf_counter()
-        if profile is not None and i >= 2:
+        if profile is not None and i >= warmup:
             profile.disable()
         y.item()
         t3 = time.perf_counter()
-        if i >= 2:  # warm-up
+        if i >= warmup:
             out["build"].append(t1 - t0)
             out["launch"].append(t2 - t1)
             out["wait"].append(t3 - t2)
@@ -80,7 +82,7 @@ def main(argv=None):
     for ctx in (int(x) for x in a.contexts.split(",")):
         held = {}
         for name in names:
-            caches = bd.make_caches(model, name, ctx + a.rounds * (a.steps + 2) + 1)
+            caches = bd.make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
             with bd.variant(name):
                 bd.fill(caches, ctx, a, dtype)
             held[name] = caches
@@ -92,7 +94,8 @@ def main(argv=None):
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 with bd.variant(name):
-                    got = phases(model, held[name], a.steps + 2, profiles.get(name))
+                    got = phases(model, held[name], a.warmup + a.steps, a.warmup,
+                                 profiles.get(name))
                 for k, v in got.items():
                     times[name][k] += v
         if os.environ.get("TQ_PROFILER_RANGE") == "1":

@@ -1257,6 +1257,7 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
         c.attention(q, 0.125, "causal")
     windows = []
     pending_seen = 0
+    deferred_from_the_start = []
     for step in range(230):
         # a verify step reads the window; the last 80 steps read nothing but the ring
         L = 3 if step % 37 == 36 and step < 150 else 1
@@ -1267,8 +1268,12 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
             c.update_and_fetch(k, v)
             outs.append(np.array(c.attention(q, 0.125, "causal")))
         pending_seen = max(pending_seen, len(deferred._win_pending))
+        if step < 3:
+            deferred_from_the_start.append(len(deferred._win_pending))
         np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"step {step}")
-        # (the first window's tokens came with the prefill: they leave from the window)
+        # (the first window's tokens came with the prefill: they leave from the window
+        # buffer, and the new tokens' writes are deferred from the first step on; the
+        # first step syncs them, as its tail is built from the window)
         if 10 <= step < 20:
             windows.append(deferred._win_k_stored)
         if step % 50 == 20 and step < 150:
@@ -1278,6 +1283,7 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
             kb, vb = immediate.dequantized_keys_values(mx.float32)
             np.testing.assert_array_equal(np.array(ka), np.array(kb))
             np.testing.assert_array_equal(np.array(va), np.array(vb))
+    assert deferred_from_the_start == [0, 1, 2]
     # steps 10-19 (no reads of the window): written once, from the ring
     assert len({id(w) for w in windows}) <= 2
     assert pending_seen == cfg["fp16_recent_tokens"] - 1

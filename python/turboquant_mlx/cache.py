@@ -820,14 +820,14 @@ class TurboQuantKVCache(_BaseCache):
         """A single token's window update (position ``P``; positions ``[first, end)``
         leave the window, ``keep_from`` is its new start) without touching the window
         buffer, when the ops take model-space tails (a ring step's tail is the ring, not
-        the window): the token that leaves is quantized from the array it arrived in,
-        and the new one waits in ``_win_pending`` until the window is read, the ring
+        the window): the token that leaves is quantized from the array it arrived in
+        (or, if it came with a prefill, from the window buffer), and the new one waits in ``_win_pending`` until the window is read, the ring
         holds R of them, or ``window_slack`` wait. Returns False where that does not
         apply."""
         if self._op_signs() is None or _is_empty(self._win_k_stored):
             return False
         if end > first:
-            leaving = self._recent_token(first, end)
+            leaving = self._recent_token(first, end) or self._stored_window_token(first, end)
             if leaving is None:
                 return False
             self._quantize(*leaving)
@@ -946,6 +946,20 @@ class TurboQuantKVCache(_BaseCache):
                 if p == a:
                     return k, v
         return None
+
+    def _stored_window_token(self, a: int, b: int):
+        """``(key, value)`` of position ``a`` (``b == a + 1``) as views of the stored
+        window buffer, where it lies there, else None: the tokens that came with a
+        prefill leave the window from it (those that arrived alone, from
+        :meth:`_recent_token`). Deferred writes leave that buffer as it is, and its
+        first position is ``_win_start - _win_pending_drop`` while they wait."""
+        win_k = self._win_k_stored
+        if b - a != 1 or _is_empty(win_k):
+            return None
+        i = a - (self._win_start - self._win_pending_drop)
+        if not 0 <= i < win_k.shape[2]:
+            return None
+        return win_k[:, :, i : i + 1], self._win_v_stored[:, :, i : i + 1]
 
     def _code_tail_span(self, a: int, b: int):
         """Window positions ``[a, b)`` in code space from the last decode step's tail,
