@@ -43,12 +43,44 @@ const void* quantize_kernel(int d, int b, QType x) {
   return k;
 }
 
+const void* quantize_pair_kernel(int d, int b, QType x) {
+  const void* k = nullptr;
+  dispatch_head_dim(d, [&](auto dd) {
+    dispatch_bits(b, [&](auto bb) {
+      constexpr int D = decltype(dd)::value, B = decltype(bb)::value;
+      switch (x) {
+        case QType::Float32:
+          k = reinterpret_cast<const void*>(&tq_quantize_pair_kernel<float, D, B>);
+          break;
+        case QType::Float16:
+          k = reinterpret_cast<const void*>(&tq_quantize_pair_kernel<__half, D, B>);
+          break;
+        case QType::BFloat16:
+          k = reinterpret_cast<const void*>(&tq_quantize_pair_kernel<unsigned short, D, B>);
+          break;
+      }
+    });
+  });
+  return k;
+}
+
 const void* dequantize_kernel(int b) {
   const void* k = nullptr;
   dispatch_bits(b, [&](auto bb) {
     k = reinterpret_cast<const void*>(&tq_dequantize_kernel<decltype(bb)::value>);
   });
   return k;
+}
+
+const void* copy_pair_kernel(int itemsize) {
+  switch (itemsize) {
+    case 4:
+      return reinterpret_cast<const void*>(&tq_copy_pair_kernel<unsigned int>);
+    case 2:
+      return reinterpret_cast<const void*>(&tq_copy_pair_kernel<unsigned short>);
+    default:
+      return nullptr;
+  }
 }
 
 const void* copy_kernel(int itemsize) {
