@@ -553,7 +553,8 @@ void register_part(const PreparedPart& pp, mx::cu::CommandEncoder& enc) {
 }
 
 dim3 quantize_grid(int64_t vectors, unsigned parts) {
-  return dim3(static_cast<unsigned>((vectors + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS), parts);
+  const int64_t blocks = (vectors + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS;
+  return dim3(static_cast<unsigned>(blocks), parts);
 }
 
 } // namespace
@@ -598,7 +599,8 @@ bool quantize_append_at_once(
   if (k.vectors == 0) {
     return true;
   }
-  auto f = get_function(ck::quantize_pair_kernel(k.head_dim, k.bits, k.xt), "quantize_append");
+  auto f = get_function(
+      ck::quantize_kernel(k.head_dim, k.bits, k.xt, /* pair = */ true), "quantize_append");
   register_part(k, enc);
   register_part(v, enc);
   ck::TQQuantArgs ka = k.args, va = v.args;
@@ -890,7 +892,8 @@ void write_tokens(
   if (most == 0) {
     return;
   }
-  auto f = get_function(ck::copy_pair_kernel(static_cast<int>(inputs[2].itemsize())), "write_tokens");
+  const int itemsize = static_cast<int>(inputs[2].itemsize());
+  auto f = get_function(ck::copy_kernel(itemsize, /* pair = */ true), "write_tokens");
   follow_readers();
   for (int i = 0; i < 2; ++i) {
     enc.set_input_array(inputs[2 + i]);

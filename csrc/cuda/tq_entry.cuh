@@ -145,12 +145,13 @@ const void* attention_kernel_bf16_hi(int d, int kb, int vb);
 /// The split-K merge for queries of type q, writing out as float32 or (out_in_q_type)
 /// in q's type.
 const void* attention_merge_kernel(int d, QType q, bool out_in_q_type = false);
-const void* quantize_kernel(int d, int b, QType x);
-/// tq_quantize_pair_kernel for head dim d, b bits, inputs of type x (nullptr: none).
-const void* quantize_pair_kernel(int d, int b, QType x);
+/// The quantize kernel for head dim d, b bits, inputs of type x; with `pair`, the one
+/// that writes a layer's keys and values in one launch (tq_quantize_pair_kernel).
+const void* quantize_kernel(int d, int b, QType x, bool pair = false);
 const void* dequantize_kernel(int b);
-const void* copy_kernel(int itemsize);
-const void* copy_pair_kernel(int itemsize);
+/// The copy kernel for elements of `itemsize` bytes; with `pair`, the one that copies a
+/// layer's keys and values in one launch (tq_copy_pair_kernel).
+const void* copy_kernel(int itemsize, bool pair = false);
 
 /// Calls f(std::integral_constant<int, D>{}) for a supported runtime head dim.
 template <typename F>
