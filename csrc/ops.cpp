@@ -675,9 +675,10 @@ std::vector<mx::array> compressed_attention(
   }
   // The CPU eval writes out in any of them; the CUDA merge kernel in float32 or the
   // queries' type; Metal's in float32. Otherwise a node of its own converts it.
+  static const bool cuda_build = std::string(gpu::backend_name()) == "cuda";
   const bool on_cpu = stream.device == mx::Device::cpu;
-  const bool cuda = !on_cpu && std::string(gpu::backend_name()) == "cuda";
-  const bool direct = on_cpu || want == mx::float32 || (cuda && want == inputs[0].dtype());
+  const bool direct =
+      on_cpu || want == mx::float32 || (cuda_build && want == inputs[0].dtype());
   params.out_dtype = direct ? want : mx::float32;
   auto outs = mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},

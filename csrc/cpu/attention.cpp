@@ -383,16 +383,15 @@ void attention(
             tail_len, key_mean, value_mean, out_ptr, lse_ptr);
       });
     });
+    auto convert = [&]<typename T>(T* o) {
+      for (int64_t i = 0; i < n_rows * D; ++i) {
+        o[i] = static_cast<T>(out_ptr[i]);
+      }
+    };
     if (out_dtype == mx::float16) {
-      auto* o = static_cast<mx::float16_t*>(out_raw);
-      for (int64_t i = 0; i < n_rows * D; ++i) {
-        o[i] = static_cast<mx::float16_t>(out_ptr[i]);
-      }
+      convert(static_cast<mx::float16_t*>(out_raw));
     } else if (out_dtype == mx::bfloat16) {
-      auto* o = static_cast<mx::bfloat16_t*>(out_raw);
-      for (int64_t i = 0; i < n_rows * D; ++i) {
-        o[i] = static_cast<mx::bfloat16_t>(out_ptr[i]);
-      }
+      convert(static_cast<mx::bfloat16_t*>(out_raw));
     }
   });
 }

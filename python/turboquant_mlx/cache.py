@@ -821,9 +821,9 @@ class TurboQuantKVCache(_BaseCache):
         leave the window, ``keep_from`` is its new start) without touching the window
         buffer, when the ops take model-space tails (a ring step's tail is the ring, not
         the window): the token that leaves is quantized from the array it arrived in
-        (or, if it came with a prefill, from the window buffer), and the new one waits in ``_win_pending`` until the window is read, the ring
-        holds R of them, or ``window_slack`` wait. Returns False where that does not
-        apply."""
+        (or, if it came with a prefill, from the window buffer), and the new one waits
+        in ``_win_pending`` until the window is read, the ring holds R of them, or
+        ``window_slack`` wait. Returns False where that does not apply."""
         if self._op_signs() is None or _is_empty(self._win_k_stored):
             return False
         if end > first:
