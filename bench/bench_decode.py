@@ -41,7 +41,9 @@ in-place append of keys and values built as one graph node per tensor / per buff
 instead of one: TURBOQUANT_APPEND_NODES), ``NAME:ringslices`` (a window preset NAME
 writing its ring of recent tokens with two slice updates instead of one in-place node:
 TURBOQUANT_RING_IN_PLACE=0), ``NAME:outf32`` (cache NAME with the attention op writing
-float32 and a conversion node after it: TURBOQUANT_OUT_IN_MODEL_DTYPE=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+float32 and a conversion node after it: TURBOQUANT_OUT_IN_MODEL_DTYPE=0),
+``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
+kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -144,12 +146,15 @@ class variant:
     graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
     one ending in ``:ringslices``, with the ring of a window preset written by slice
     updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in ``:outf32``, with the
-    attention op's output in float32 and converted after it."""
+    attention op's output in float32 and converted after it; for one ending in
+    ``:twolaunch``, with a layer's keys and values sent to the GPU as one kernel launch
+    per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0)."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
         self.ring_in_place = not name.endswith(":ringslices")
         self.out_in_model_dtype = not name.endswith(":outf32")
+        self.two_launch = name.endswith(":twolaunch")
         m = re.search(r":nodes(\d)$", name)
         self.nodes = m.group(1) if m else None
 
@@ -161,6 +166,9 @@ class variant:
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
+        self.saved_launch = os.environ.pop("TURBOQUANT_KV_ONE_LAUNCH", None)
+        if self.two_launch:
+            os.environ["TURBOQUANT_KV_ONE_LAUNCH"] = "0"
 
     def __exit__(self, *exc):
         tq_cache._OP_ROTATION = self.saved
@@ -169,6 +177,9 @@ class variant:
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
+        os.environ.pop("TURBOQUANT_KV_ONE_LAUNCH", None)
+        if self.saved_launch is not None:
+            os.environ["TURBOQUANT_KV_ONE_LAUNCH"] = self.saved_launch
         return False
 
 
@@ -194,7 +205,7 @@ def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
     name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices")
-                  .removesuffix(":outf32"))
+                  .removesuffix(":outf32").removesuffix(":twolaunch"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

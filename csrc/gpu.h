@@ -25,6 +25,15 @@ void quantize_append_part(
     const mx::array* in,
     mx::array* out);
 
+/// All parts of a QuantizeAppend node as one kernel launch, where the backend has one
+/// for them (CUDA: a layer's keys and values of the same bits and shape); false leaves
+/// the node to quantize_append_part, one launch per part.
+bool quantize_append_at_once(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs);
+
 /// One WriteTokens node (CUDA; the Metal backend raises: it has no kernel for it, and
 /// the Python layer writes with slice updates there).
 void write_tokens(

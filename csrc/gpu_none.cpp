@@ -31,6 +31,14 @@ void quantize_append_part(
   no_kernels("quantize_append");
 }
 
+bool quantize_append_at_once(
+    const QuantizeAppend&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  return false; // (quantize_append_part raises)
+}
+
 void write_tokens(
     const WriteTokens&,
     const mx::Stream&,

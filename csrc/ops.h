@@ -40,8 +40,9 @@ std::vector<mx::array> quantize_append(
     mx::StreamOrDevice s = {});
 
 /// A layer's keys and values appended at `offset` as one graph node, always in place
-/// (see quantize_append's in_place: for a cache that owns its buffers): one kernel
-/// launch per tensor writes its codes and scales. Each tensor is checked as
+/// (see quantize_append's in_place: for a cache that owns its buffers): the CUDA backend
+/// writes both tensors' codes and scales with one kernel launch when they have the same
+/// bits and shape, otherwise (and on Metal) one launch per tensor. Each tensor is checked as
 /// quantize_append checks it; keys and values must bring the same number of tokens into
 /// caches of the same capacity. Returns the key codes and scales, then the value codes
 /// and scales.

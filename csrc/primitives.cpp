@@ -16,6 +16,9 @@ void QuantizeAppend::eval_cpu(
 void QuantizeAppend::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  if (gpu::quantize_append_at_once(*this, stream(), inputs, outputs)) {
+    return;
+  }
   walk_parts([&](const AppendPart& part, size_t in, size_t out) {
     gpu::quantize_append_part(*this, part, stream(), &inputs[in], &outputs[out]);
   });

@@ -157,6 +157,54 @@ def test_quantize_append_kv_bit_exact_vs_cpu(head_dim, x_dtype):
     np.testing.assert_array_equal(bits_of(got[2])[:, :, untouched], vw[:, :, untouched])
 
 
+@pytest.mark.parametrize("one_launch", ("1", "0"))
+@pytest.mark.parametrize("x_dtype", (mx.float16, mx.bfloat16))
+def test_kv_as_one_launch_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype):
+    # Keys and values of the same bits and shape go to the GPU as one launch per node
+    # (the append and the token write; TURBOQUANT_KV_ONE_LAUNCH=0: one per tensor).
+    # Both ways match the CPU bit for bit, and only the written slots change.
+    monkeypatch.setenv("TURBOQUANT_KV_ONE_LAUNCH", one_launch)
+    rng = np.random.default_rng(410)
+    batch, heads, length, capacity, offset, head_dim = 2, 3, 5, 16, 7, 128
+    kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, 4)
+    vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, 4)
+    keys = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
+    values = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
+    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+              for _ in range(2))
+    c = mx.array(centroids_np(head_dim, 4))
+    signs = Rotation(head_dim, seed=6).kernel_signs
+    cpu = mx.Device(mx.cpu)
+    want = []
+    for w, sc, x, m in ((kw, ksc, keys, mk), (vw, vsc, values, mv)):
+        out = ops.quantize_append(mx.array(w), mx.array(sc), x, c, offset, 4,
+                                  rotation_signs=signs, mean=m, stream=cpu)
+        mx.eval(*out)
+        want += [bits_of(o) for o in out]
+    got = ops.quantize_append_kv(
+        mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc), keys, values, c, c,
+        offset, 4, 4, key_rotation_signs=signs, value_rotation_signs=signs, key_mean=mk,
+        value_mean=mv, stream=gpu(),
+    )
+    mx.eval(*got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits_of(g), w)
+
+    # The token write (a window preset's ring): the buffers' other slots keep their bits.
+    kbuf, vbuf = (rng.standard_normal((batch, heads, capacity, head_dim)).astype(np.float32)
+                  for _ in range(2))
+    kbuf, vbuf = mx.array(kbuf).astype(x_dtype), mx.array(vbuf).astype(x_dtype)
+    mx.eval(kbuf, vbuf)
+    raw = lambda a: np.array(a.view(mx.uint16))  # noqa: E731
+    want_k, want_v = raw(kbuf).copy(), raw(vbuf).copy()
+    want_k[:, :, offset : offset + length] = raw(keys)
+    want_v[:, :, offset : offset + length] = raw(values)
+    out_k, out_v = ops.write_tokens_kv(kbuf, vbuf, keys, values, offset, stream=gpu())
+    mx.eval(out_k, out_v)
+    np.testing.assert_array_equal(raw(out_k), want_k)
+    np.testing.assert_array_equal(raw(out_v), want_v)
+
+
 def strided_last_axis(a):
     """The same values as a view whose last axis is not contiguous."""
     v = mx.swapaxes(mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))), -1, -2)

@@ -10,9 +10,11 @@
 //     recycled device buffer to managed memory with a synchronous copy. Outputs and
 //     temporaries therefore come from a small device-memory pool of this module
 //     (DevicePool below); TURBOQUANT_CUDA_POOL=0 switches back to mx::allocator.
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -242,35 +244,43 @@ T* mptr(mx::array& a) {
   return mx::gpu_ptr<T>(a);
 }
 
-/// Writes a row-contiguous copy of `in` (4- or 2-byte elements, up to 4 axes) into
-/// `out`'s memory; with `at_token` >= 0 (4-axis arrays that agree but in their tokens,
-/// axis 2), into out's tokens [at_token, at_token + in.shape(2)) along out's strides.
+/// The arguments of a row-contiguous copy of `in` (4- or 2-byte elements, up to 4 axes)
+/// into `out`'s memory; with `at_token` >= 0 (4-axis arrays that agree but in their
+/// tokens, axis 2), into out's tokens [at_token, at_token + in.shape(2)) along out's
+/// strides. p.size == 0: nothing to copy.
+ck::TQCopyArgs copy_args(const mx::array& in, mx::array& out, int at_token) {
+  ck::TQCopyArgs a{};
+  TQCopyParams& p = a.p;
+  int nd = in.ndim();
+  for (int ax = 0; ax < 4; ++ax) {
+    int src = ax - (4 - nd);
+    p.shape[ax] = src >= 0 ? in.shape(src) : 1;
+    p.stride[ax] = src >= 0 ? in.strides()[src] : 0;
+    p.dst_stride[ax] = at_token >= 0 ? out.strides()[ax] : 0;
+  }
+  p.dst_strided = at_token >= 0 ? 1 : 0;
+  p.size = static_cast<int64_t>(in.size());
+  a.src = mx::gpu_ptr<void>(in);
+  a.dst = static_cast<char*>(mx::gpu_ptr<void>(out)) +
+      (at_token >= 0 ? int64_t(at_token) * out.strides()[2] * int64_t(out.itemsize()) : 0);
+  return a;
+}
+
+/// Writes a row-contiguous copy of `in` into `out`'s memory (see copy_args).
 void copy_into(
     const mx::array& in,
     mx::array& out,
     mx::cu::CommandEncoder& enc,
     int at_token = -1) {
-  TQCopyParams p{};
-  int nd = in.ndim();
-  for (int a = 0; a < 4; ++a) {
-    int src = a - (4 - nd);
-    p.shape[a] = src >= 0 ? in.shape(src) : 1;
-    p.stride[a] = src >= 0 ? in.strides()[src] : 0;
-    p.dst_stride[a] = at_token >= 0 ? out.strides()[a] : 0;
-  }
-  p.dst_strided = at_token >= 0 ? 1 : 0;
-  p.size = static_cast<int64_t>(in.size());
-  if (p.size == 0) {
+  if (in.size() == 0) {
     return;
   }
+  ck::TQCopyArgs a = copy_args(in, out, at_token); // (the encoder takes lvalues)
   auto f = get_function(ck::copy_kernel(static_cast<int>(in.itemsize())), "copy");
   enc.set_input_array(in);
   enc.set_output_array(out);
-  const void* src = mx::gpu_ptr<void>(in);
-  void* dst = static_cast<char*>(mx::gpu_ptr<void>(out)) +
-      (at_token >= 0 ? int64_t(at_token) * out.strides()[2] * int64_t(out.itemsize()) : 0);
-  dim3 grid(static_cast<unsigned>((p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
-  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, src, dst, p);
+  dim3 grid(static_cast<unsigned>((a.p.size + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS));
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, a.src, a.dst, a.p);
 }
 
 /// A row-contiguous copy of `a` that lives as long as this launch.
@@ -457,6 +467,98 @@ const char* backend_name() {
   return "cuda";
 }
 
+namespace {
+
+/// Whether a node's keys and values go to the GPU as one launch (TURBOQUANT_KV_ONE_LAUNCH=0:
+/// one per tensor, for measuring what it saves). Read at each call, so that one process
+/// can time both.
+bool kv_one_launch() {
+  return env_int("TURBOQUANT_KV_ONE_LAUNCH", 1) != 0;
+}
+
+/// One part of a QuantizeAppend node, ready to launch: its buffers taken (in place, or
+/// copied), its inputs as the kernel reads them, and the kernel's arguments.
+struct PreparedPart {
+  mx::array x, cent;
+  std::optional<mx::array> mean;
+  mx::array* out;
+  int buffers, head_dim, bits;
+  ck::QType xt;
+  int64_t vectors; // B * H * L tokens' vectors (0: nothing to write)
+  ck::TQQuantArgs args;
+};
+
+/// Takes the part's buffers and makes its inputs readable. Copies this needs are
+/// kernel nodes of their own, so they all come before the registration of the launch
+/// (register_part), which the next kernel node takes.
+PreparedPart prepare_part(
+    const QuantizeAppend& prim,
+    const AppendPart& part,
+    mx::cu::CommandEncoder& enc,
+    const mx::array* in,
+    mx::array* out) {
+  const int nb = prim.buffers();
+  for (int i = 0; i < nb; ++i) {
+    take_buffer("quantize_append", in[i], out[i], prim.in_place(), enc);
+  }
+  mx::array x = last_axis_contiguous(in[nb], enc);
+  std::optional<mx::array> mean;
+  if (part.centered) {
+    mean = row_contiguous(in[nb + 2], enc);
+  }
+  mx::array* codes = prim.writes_codes() ? &out[0] : nullptr;
+  mx::array* scales = prim.writes_scales() ? &out[nb - 1] : nullptr;
+  const int head_dim = x.shape(3);
+  const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
+      : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
+                                                 : ck::QType::Float32;
+  ck::TQQuantArgs a{};
+  TQQuantParams& p = a.p;
+  for (int ax = 0; ax < 3; ++ax) {
+    p.x_stride[ax] = x.strides()[ax];
+    p.c_stride[ax] = codes ? codes->strides()[ax] : 0;
+    p.s_stride[ax] = scales ? scales->strides()[ax] : 0;
+  }
+  p.batch = x.shape(0);
+  p.heads = x.shape(1);
+  p.length = x.shape(2);
+  p.offset = prim.offset();
+  p.write = prim.write_flags();
+  p.rot = kernel_rotation(part.rotation, head_dim);
+  if (mean) {
+    p.mean_stride[0] = mean->strides()[0];
+    p.mean_stride[1] = mean->strides()[1];
+    p.centered = 1;
+    a.mean = cptr<float>(*mean);
+  }
+  a.x = mx::gpu_ptr<void>(x);
+  a.cent = cptr<float>(in[nb + 1]);
+  a.codes = codes ? mptr<unsigned int>(*codes) : nullptr;
+  a.scales = scales ? static_cast<__half*>(mx::gpu_ptr<void>(*scales)) : nullptr;
+  const int64_t vectors = int64_t(p.batch) * p.heads * p.length;
+  return PreparedPart{
+      std::move(x), in[nb + 1], std::move(mean), out, nb, head_dim, part.bits, xt, vectors, a};
+}
+
+/// The arrays a prepared part's launch reads and writes, for the graph's ordering.
+void register_part(const PreparedPart& pp, mx::cu::CommandEncoder& enc) {
+  if (pp.mean) {
+    enc.set_input_array(*pp.mean);
+  }
+  enc.set_input_array(pp.x);
+  enc.set_input_array(pp.cent);
+  for (int i = 0; i < pp.buffers; ++i) {
+    enc.set_output_array(pp.out[i]);
+  }
+}
+
+dim3 quantize_grid(int64_t vectors, unsigned parts) {
+  const int64_t blocks = (vectors + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS;
+  return dim3(static_cast<unsigned>(blocks), parts);
+}
+
+} // namespace
+
 void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
@@ -464,56 +566,47 @@ void quantize_append_part(
     const mx::array* in,
     mx::array* out) {
   auto& enc = mx::cu::get_command_encoder(s);
-  const int nb = prim.buffers();
-  for (int i = 0; i < nb; ++i) {
-    take_buffer("quantize_append", in[i], out[i], prim.in_place(), enc);
-  }
-  mx::array* codes = prim.writes_codes() ? &out[0] : nullptr;
-  mx::array* scales = prim.writes_scales() ? &out[nb - 1] : nullptr;
-  const mx::array x = last_axis_contiguous(in[nb], enc);
-  auto& cent = in[nb + 1];
-  const int head_dim = x.shape(3);
-
-  TQQuantParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.x_stride[a] = x.strides()[a];
-    p.c_stride[a] = codes ? codes->strides()[a] : 0;
-    p.s_stride[a] = scales ? scales->strides()[a] : 0;
-  }
-  p.batch = x.shape(0);
-  p.heads = x.shape(1);
-  p.length = x.shape(2);
-  p.offset = prim.offset();
-  p.write = prim.write_flags();
-  const int64_t n = int64_t(p.batch) * p.heads * p.length;
-  if (n == 0) {
+  const PreparedPart pp = prepare_part(prim, part, enc, in, out);
+  if (pp.vectors == 0) {
     return;
   }
-  p.rot = kernel_rotation(part.rotation, head_dim);
-  const float* mp = nullptr;
-  if (part.centered) {
-    const mx::array mean = row_contiguous(in[nb + 2], enc);
-    p.mean_stride[0] = mean.strides()[0];
-    p.mean_stride[1] = mean.strides()[1];
-    p.centered = 1;
-    enc.set_input_array(mean);
-    mp = cptr<float>(mean);
+  auto f = get_function(ck::quantize_kernel(pp.head_dim, pp.bits, pp.xt), "quantize_append");
+  register_part(pp, enc);
+  ck::TQQuantArgs a = pp.args; // (the encoder takes lvalues)
+  enc.add_kernel_node_ex(
+      f, quantize_grid(pp.vectors, 1), dim3(TQ_QUANT_THREADS), dim3(), 0u, a.x, a.cent, a.mean,
+      a.codes, a.scales, a.p);
+}
+
+bool quantize_append_at_once(
+    const QuantizeAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const auto& parts = prim.parts();
+  if (parts.size() != 2 || parts[0].bits != parts[1].bits || !kv_one_launch()) {
+    return false;
   }
-  const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
-      : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
-                                                 : ck::QType::Float32;
-  auto f = get_function(ck::quantize_kernel(head_dim, part.bits, xt), "quantize_append");
-  enc.set_input_array(x);
-  enc.set_input_array(cent);
-  for (int i = 0; i < nb; ++i) {
-    enc.set_output_array(out[i]);
+  const size_t v_in = prim.inputs_of(0), nb = prim.buffers();
+  const mx::array& xk = inputs[nb];
+  const mx::array& xv = inputs[v_in + nb];
+  if (xk.dtype() != xv.dtype() || xk.shape() != xv.shape()) {
+    return false; // (one kernel instance, one grid: the same shapes and input type)
   }
-  const void* xp = mx::gpu_ptr<void>(x);
-  const float* cp = cptr<float>(cent);
-  unsigned int* cw = codes ? mptr<unsigned int>(*codes) : nullptr;
-  void* sc = scales ? mx::gpu_ptr<void>(*scales) : nullptr;
-  dim3 grid(static_cast<unsigned>((n + TQ_QUANT_SIMDGROUPS - 1) / TQ_QUANT_SIMDGROUPS));
-  enc.add_kernel_node_ex(f, grid, dim3(TQ_QUANT_THREADS), dim3(), 0u, xp, cp, mp, cw, sc, p);
+  auto& enc = mx::cu::get_command_encoder(s);
+  const PreparedPart k = prepare_part(prim, parts[0], enc, &inputs[0], &outputs[0]);
+  const PreparedPart v = prepare_part(prim, parts[1], enc, &inputs[v_in], &outputs[nb]);
+  if (k.vectors == 0) {
+    return true;
+  }
+  auto f = get_function(
+      ck::quantize_kernel(k.head_dim, k.bits, k.xt, /* pair = */ true), "quantize_append");
+  register_part(k, enc);
+  register_part(v, enc);
+  ck::TQQuantArgs ka = k.args, va = v.args;
+  enc.add_kernel_node_ex(
+      f, quantize_grid(k.vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
+  return true;
 }
 
 void attention(
@@ -776,13 +869,38 @@ void write_tokens(
   const int n = prim.buffers();
   for (int i = 0; i < n; ++i) {
     take_buffer("write_tokens", inputs[i], outputs[i], true, enc);
-    // The earlier readers of the overwritten slots: MLX's CUDA graph orders a kernel
-    // after the writers of its inputs only, so they are inputs of every copy.
+  }
+  // The earlier readers of the overwritten slots: MLX's CUDA graph orders a kernel
+  // after the writers of its inputs only, so they are inputs of every copy.
+  auto follow_readers = [&] {
     for (size_t a = 2 * n; a < inputs.size(); ++a) {
       enc.set_input_array(inputs[a]);
     }
-    copy_into(inputs[n + i], outputs[i], enc, prim.offset());
+  };
+  const bool pair = n == 2 && inputs[2].itemsize() == inputs[3].itemsize() && kv_one_launch();
+  if (!pair) {
+    for (int i = 0; i < n; ++i) {
+      follow_readers();
+      copy_into(inputs[n + i], outputs[i], enc, prim.offset());
+    }
+    return;
   }
+  // Keys and values as one launch.
+  ck::TQCopyArgs k = copy_args(inputs[2], outputs[0], prim.offset());
+  ck::TQCopyArgs v = copy_args(inputs[3], outputs[1], prim.offset());
+  const int64_t most = std::max(k.p.size, v.p.size);
+  if (most == 0) {
+    return;
+  }
+  const int itemsize = static_cast<int>(inputs[2].itemsize());
+  auto f = get_function(ck::copy_kernel(itemsize, /* pair = */ true), "write_tokens");
+  follow_readers();
+  for (int i = 0; i < 2; ++i) {
+    enc.set_input_array(inputs[2 + i]);
+    enc.set_output_array(outputs[i]);
+  }
+  dim3 grid(static_cast<unsigned>((most + TQ_COPY_THREADS - 1) / TQ_COPY_THREADS), 2);
+  enc.add_kernel_node_ex(f, grid, dim3(TQ_COPY_THREADS), dim3(), 0u, k, v);
 }
 
 void dequantize(

@@ -22,21 +22,20 @@ const void* attention_merge_kernel(int d, QType q, bool out_in_q_type) {
   return k;
 }
 
-const void* quantize_kernel(int d, int b, QType x) {
+const void* quantize_kernel(int d, int b, QType x, bool pair) {
   const void* k = nullptr;
   dispatch_head_dim(d, [&](auto dd) {
     dispatch_bits(b, [&](auto bb) {
       constexpr int D = decltype(dd)::value, B = decltype(bb)::value;
+      auto pick = [&](auto xt) {
+        using XT = decltype(xt);
+        k = pair ? reinterpret_cast<const void*>(&tq_quantize_pair_kernel<XT, D, B>)
+                 : reinterpret_cast<const void*>(&tq_quantize_kernel<XT, D, B>);
+      };
       switch (x) {
-        case QType::Float32:
-          k = reinterpret_cast<const void*>(&tq_quantize_kernel<float, D, B>);
-          break;
-        case QType::Float16:
-          k = reinterpret_cast<const void*>(&tq_quantize_kernel<__half, D, B>);
-          break;
-        case QType::BFloat16:
-          k = reinterpret_cast<const void*>(&tq_quantize_kernel<unsigned short, D, B>);
-          break;
+        case QType::Float32: pick(0.0f); break;
+        case QType::Float16: pick(__half{}); break;
+        case QType::BFloat16: pick(static_cast<unsigned short>(0)); break;
       }
     });
   });
@@ -51,12 +50,14 @@ const void* dequantize_kernel(int b) {
   return k;
 }
 
-const void* copy_kernel(int itemsize) {
+const void* copy_kernel(int itemsize, bool pair) {
   switch (itemsize) {
     case 4:
-      return reinterpret_cast<const void*>(&tq_copy_kernel<unsigned int>);
+      return pair ? reinterpret_cast<const void*>(&tq_copy_pair_kernel<unsigned int>)
+                  : reinterpret_cast<const void*>(&tq_copy_kernel<unsigned int>);
     case 2:
-      return reinterpret_cast<const void*>(&tq_copy_kernel<unsigned short>);
+      return pair ? reinterpret_cast<const void*>(&tq_copy_pair_kernel<unsigned short>)
+                  : reinterpret_cast<const void*>(&tq_copy_kernel<unsigned short>);
     default:
       return nullptr;
   }

@@ -85,6 +85,45 @@ __global__ void __launch_bounds__(TQ_COPY_THREADS)
   tq_copy_impl<T>(src, dst, p, tq_thread());
 }
 
+// A layer's keys and values in one launch (blockIdx.y: 0 keys, 1 values), so that a
+// decode step's append and ring write are one kernel node each on MLX's CUDA graph
+// instead of two (host time per node; see eval_cuda.cu).
+
+/// One tensor's quantize launch: the arguments of tq_quantize_kernel.
+struct TQQuantArgs {
+  const void* x;
+  const float* cent;
+  const float* mean;
+  unsigned int* codes;
+  __half* scales;
+  TQQuantParams p;
+};
+
+template <typename XT, int D, int B>
+__global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_pair_kernel(
+    const __grid_constant__ TQQuantArgs keys,
+    const __grid_constant__ TQQuantArgs values) {
+  __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
+  const TQQuantArgs& a = blockIdx.y == 0 ? keys : values;
+  tq_quantize_impl<XT, D, B>(
+      static_cast<const XT*>(a.x), a.cent, a.mean, a.codes, a.scales, a.p, smem, tq_thread());
+}
+
+/// One buffer's copy: the arguments of tq_copy_kernel.
+struct TQCopyArgs {
+  const void* src;
+  void* dst;
+  TQCopyParams p;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(TQ_COPY_THREADS) tq_copy_pair_kernel(
+    const __grid_constant__ TQCopyArgs keys,
+    const __grid_constant__ TQCopyArgs values) {
+  const TQCopyArgs& a = blockIdx.y == 0 ? keys : values;
+  tq_copy_impl<T>(static_cast<const T*>(a.src), static_cast<T*>(a.dst), a.p, tq_thread());
+}
+
 // Query element types, as the kernels read them.
 enum class QType { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 
@@ -106,9 +145,13 @@ const void* attention_kernel_bf16_hi(int d, int kb, int vb);
 /// The split-K merge for queries of type q, writing out as float32 or (out_in_q_type)
 /// in q's type.
 const void* attention_merge_kernel(int d, QType q, bool out_in_q_type = false);
-const void* quantize_kernel(int d, int b, QType x);
+/// The quantize kernel for head dim d, b bits, inputs of type x; with `pair`, the one
+/// that writes a layer's keys and values in one launch (tq_quantize_pair_kernel).
+const void* quantize_kernel(int d, int b, QType x, bool pair = false);
 const void* dequantize_kernel(int b);
-const void* copy_kernel(int itemsize);
+/// The copy kernel for elements of `itemsize` bytes; with `pair`, the one that copies a
+/// layer's keys and values in one launch (tq_copy_pair_kernel).
+const void* copy_kernel(int itemsize, bool pair = false);
 
 /// Calls f(std::integral_constant<int, D>{}) for a supported runtime head dim.
 template <typename F>

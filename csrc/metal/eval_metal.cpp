@@ -193,6 +193,14 @@ const char* backend_name() {
   return "metal";
 }
 
+bool quantize_append_at_once(
+    const QuantizeAppend&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  return false; // one dispatch per part
+}
+
 void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
