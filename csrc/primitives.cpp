@@ -49,11 +49,9 @@ mx::array ring_slots_view(const mx::array& ring, int slot, int length) {
   mx::array view(
       mx::Shape{ring.shape(0), ring.shape(1), length, ring.shape(3)}, ring.dtype(), nullptr, {});
   const int64_t first = int64_t(slot) * ring.strides()[2];
+  // Marked strided (the GPU kernels read x through its strides; nothing else reads it).
   auto flags = ring.flags();
-  // (one token of one head stays row-contiguous; anything else is a strided view)
-  flags.row_contiguous = flags.contiguous =
-      ring.flags().row_contiguous && ring.shape(0) * ring.shape(1) == 1;
-  flags.col_contiguous = false;
+  flags.contiguous = flags.row_contiguous = flags.col_contiguous = false;
   view.copy_shared_buffer(ring, ring.strides(), flags, ring.data_size() - first, first);
   return view;
 }
