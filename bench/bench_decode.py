@@ -43,7 +43,9 @@ writing its ring of recent tokens with two slice updates instead of one in-place
 TURBOQUANT_RING_IN_PLACE=0), ``NAME:outf32`` (cache NAME with the attention op writing
 float32 and a conversion node after it: TURBOQUANT_OUT_IN_MODEL_DTYPE=0),
 ``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
-kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0),
+``NAME:noexchange`` (a window preset NAME appending the token that leaves its window
+and writing the new one into the ring as two nodes instead of one: TURBOQUANT_RING_APPEND=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -148,13 +150,16 @@ class variant:
     updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in ``:outf32``, with the
     attention op's output in float32 and converted after it; for one ending in
     ``:twolaunch``, with a layer's keys and values sent to the GPU as one kernel launch
-    per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0)."""
+    per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0); for one ending in
+    ``:noexchange``, with a ring step's append and ring write as two nodes
+    (TURBOQUANT_RING_APPEND=0)."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
         self.ring_in_place = not name.endswith(":ringslices")
         self.out_in_model_dtype = not name.endswith(":outf32")
         self.two_launch = name.endswith(":twolaunch")
+        self.ring_append = not name.endswith(":noexchange")
         m = re.search(r":nodes(\d)$", name)
         self.nodes = m.group(1) if m else None
 
@@ -163,6 +168,7 @@ class variant:
         self.saved_ring, tq_cache._RING_IN_PLACE = tq_cache._RING_IN_PLACE, self.ring_in_place
         self.saved_out, tq_cache._OUT_IN_MODEL_DTYPE = (tq_cache._OUT_IN_MODEL_DTYPE,
                                                         self.out_in_model_dtype)
+        self.saved_exchange, tq_cache._RING_APPEND = tq_cache._RING_APPEND, self.ring_append
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
@@ -174,6 +180,7 @@ class variant:
         tq_cache._OP_ROTATION = self.saved
         tq_cache._RING_IN_PLACE = self.saved_ring
         tq_cache._OUT_IN_MODEL_DTYPE = self.saved_out
+        tq_cache._RING_APPEND = self.saved_exchange
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
@@ -205,7 +212,8 @@ def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
     name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices")
-                  .removesuffix(":outf32").removesuffix(":twolaunch"))
+                  .removesuffix(":outf32").removesuffix(":twolaunch")
+                  .removesuffix(":noexchange"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

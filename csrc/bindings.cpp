@@ -100,6 +100,43 @@ NB_MODULE(_ext, m) {
             buffers.)");
 
   m.def(
+      "ring_append_kv",
+      &tq::ring_append_kv,
+      "k_codes"_a,
+      "k_scales"_a,
+      "v_codes"_a,
+      "v_scales"_a,
+      "k_ring"_a,
+      "v_ring"_a,
+      "keys"_a,
+      "values"_a,
+      "k_centroids"_a,
+      "v_centroids"_a,
+      "offset"_a,
+      "slot"_a,
+      "key_bits"_a,
+      "value_bits"_a,
+      nb::kw_only(),
+      "key_rotation_signs"_a = nb::none(),
+      "value_rotation_signs"_a = nb::none(),
+      "key_mean"_a = nb::none(),
+      "value_mean"_a = nb::none(),
+      "after"_a = std::vector<tq::mx::array>{},
+      "stream"_a = nb::none(),
+      R"(A window ring's exchange as one graph node (CPU and CUDA streams).
+
+        The tokens in slots ``[slot, slot + L)`` of ``k_ring`` / ``v_ring``
+        ``(B, H, slots, D)`` (the ones leaving a cache's window) are quantized into
+        the caches at ``offset``, as ``quantize_append_kv`` with the same arguments
+        would from those tokens; then ``keys`` / ``values`` ``(B, H, L, D)`` (in the
+        rings' dtype) are written into those slots, as ``write_tokens_kv`` with
+        ``after`` would.
+
+        Returns:
+            list[array]: ``[k_codes, k_scales, v_codes, v_scales, k_ring, v_ring]``,
+            sharing the input buffers.)");
+
+  m.def(
       "write_tokens",
       &tq::write_tokens,
       "buffer"_a,

@@ -486,6 +486,68 @@ std::vector<mx::array> write_tokens_kv(
       std::move(inputs));
 }
 
+std::vector<mx::array> ring_append_kv(
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& k_ring,
+    const mx::array& v_ring,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int offset,
+    int slot,
+    int key_bits,
+    int value_bits,
+    const std::optional<std::vector<float>>& key_rotation_signs,
+    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<mx::array>& key_mean,
+    const std::optional<mx::array>& value_mean,
+    const std::vector<mx::array>& after,
+    mx::StreamOrDevice s) {
+  constexpr const char* op = "ring_append_kv";
+  // The write's checks: the rings hold the new tokens' slots, in their dtype.
+  check_token_write(op, "key ring", k_ring, keys, slot);
+  check_token_write(op, "value ring", v_ring, values, slot);
+  auto stream = mx::to_stream(s);
+  // The append's checks, on the leaving tokens (the new tokens' shape and dtype);
+  // its x is then the ring itself, whose slots the node reads.
+  std::vector<PreparedAppend> appends;
+  appends.push_back(prepare_append(
+      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
+      key_rotation_signs, key_mean, stream));
+  appends.push_back(prepare_append(
+      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
+      value_rotation_signs, value_mean, stream));
+  if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
+    fail(op, "keys ", shape_str(keys.shape()), " and values ", shape_str(values.shape()),
+         " must bring the same tokens into caches of the same capacity.");
+  }
+  std::vector<mx::array> inputs;
+  std::vector<AppendPart> parts;
+  const std::pair<mx::array, mx::array> buffers[2] = {{k_codes, k_scales}, {v_codes, v_scales}};
+  const mx::array* rings[2] = {&k_ring, &v_ring};
+  for (int i = 0; i < 2; ++i) {
+    parts.push_back(appends[i].part);
+    inputs.push_back(buffers[i].first);
+    inputs.push_back(buffers[i].second);
+    inputs.push_back(*rings[i]);
+    inputs.insert(inputs.end(), appends[i].rest.begin() + 1, appends[i].rest.end());
+  }
+  inputs.push_back(keys);
+  inputs.push_back(values);
+  inputs.insert(inputs.end(), after.begin(), after.end());
+  return mx::array::make_arrays(
+      {k_codes.shape(), k_scales.shape(), v_codes.shape(), v_scales.shape(), k_ring.shape(),
+       v_ring.shape()},
+      {k_codes.dtype(), k_scales.dtype(), v_codes.dtype(), v_scales.dtype(), k_ring.dtype(),
+       v_ring.dtype()},
+      std::make_shared<RingAppend>(stream, offset, slot, std::move(parts)),
+      std::move(inputs));
+}
+
 std::vector<mx::array> compressed_attention(
     const mx::array& q,
     const mx::array& k_codes,

@@ -88,6 +88,35 @@ std::vector<mx::array> write_tokens_kv(
     const std::vector<mx::array>& after = {},
     mx::StreamOrDevice s = {});
 
+/// A window ring's exchange as one node (RingAppend): the tokens in slots
+/// [slot, slot + L) of the key and value rings (B, H, slots, D) -- those leaving a
+/// cache's window -- are quantized into the caches at `offset` (as quantize_append_kv,
+/// same arguments per tensor), then the new keys and values (B, H, L, D, in the
+/// rings' dtype) are written into those slots (as write_tokens_kv, in place; `after`
+/// as there). CPU and CUDA streams. Returns the key codes and scales, the value codes
+/// and scales, then the key and value rings.
+std::vector<mx::array> ring_append_kv(
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& k_ring,
+    const mx::array& v_ring,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int offset,
+    int slot,
+    int key_bits,
+    int value_bits,
+    const std::optional<std::vector<float>>& key_rotation_signs = std::nullopt,
+    const std::optional<std::vector<float>>& value_rotation_signs = std::nullopt,
+    const std::optional<mx::array>& key_mean = std::nullopt,
+    const std::optional<mx::array>& value_mean = std::nullopt,
+    const std::vector<mx::array>& after = {},
+    mx::StreamOrDevice s = {});
+
 /// Attention of q (B, Hq, L<=8, D) over the first `kv_len` cached tokens and, when
 /// given, the tail: up to 256 uncompressed keys/values (B, Hkv, T, D) in q's space
 /// that every query sees (fp16 sinks and the recent window of a cache), in one

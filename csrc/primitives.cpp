@@ -42,6 +42,70 @@ void WriteTokens::eval_gpu(
   gpu::write_tokens(*this, stream(), inputs, outputs);
 }
 
+namespace {
+
+/// Tokens [slot, slot + length) of a ring (B, H, slots, D) as a view of its memory.
+mx::array ring_slots_view(const mx::array& ring, int slot, int length) {
+  mx::array view(
+      mx::Shape{ring.shape(0), ring.shape(1), length, ring.shape(3)}, ring.dtype(), nullptr, {});
+  const int64_t first = int64_t(slot) * ring.strides()[2];
+  // Marked strided (the GPU kernels read x through its strides; nothing else reads it).
+  auto flags = ring.flags();
+  flags.contiguous = flags.row_contiguous = flags.col_contiguous = false;
+  view.copy_shared_buffer(ring, ring.strides(), flags, ring.data_size() - first, first);
+  return view;
+}
+
+} // namespace
+
+void RingAppend::eval(
+    bool on_gpu,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const size_t v_in = inputs_of(0), parts_end = v_in + inputs_of(1);
+  const mx::array& new_k = inputs[parts_end];
+  const int length = new_k.shape(2);
+  // 1. The leaving tokens into the compressed caches, read where they are: a view of
+  //    each ring (float32 row-major copies on the CPU, whose kernel reads those).
+  QuantizeAppend append(stream(), offset_, AppendTarget::Both, parts_, /* in_place = */ true);
+  std::vector<mx::array> append_in(inputs.begin(), inputs.begin() + parts_end);
+  for (size_t ring : {size_t(2), v_in + 2}) {
+    append_in[ring] = on_gpu ? ring_slots_view(inputs[ring], slot_, length)
+                             : cpu::ring_slots_f32(inputs[ring], slot_, length, stream());
+  }
+  std::vector<mx::array> append_out(outputs.begin(), outputs.begin() + 4);
+  if (on_gpu) {
+    append.eval_gpu(append_in, append_out);
+  } else {
+    append.eval_cpu(append_in, append_out);
+  }
+  // 2. The new tokens into the slots. The write follows the append, which reads them
+  //    (the CUDA graph orders a kernel after the writers of its inputs: the append's
+  //    outputs), and the earlier readers given as inputs.
+  WriteTokens write(stream(), slot_, 2);
+  std::vector<mx::array> write_in = {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]};
+  write_in.insert(write_in.end(), append_out.begin(), append_out.end());
+  write_in.insert(write_in.end(), inputs.begin() + parts_end + 2, inputs.end());
+  std::vector<mx::array> write_out = {outputs[4], outputs[5]};
+  if (on_gpu) {
+    write.eval_gpu(write_in, write_out);
+  } else {
+    write.eval_cpu(write_in, write_out);
+  }
+}
+
+void RingAppend::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  eval(false, inputs, outputs);
+}
+
+void RingAppend::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  eval(true, inputs, outputs);
+}
+
 void CompressedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {

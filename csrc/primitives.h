@@ -212,6 +212,61 @@ class WriteTokens : public mx::Primitive {
   int buffers_;
 };
 
+/// A window ring's exchange, for a cache whose recent tokens sit unquantized in a ring
+/// (sinks, then one slot per window position): the tokens in slots [slot, slot + L) of
+/// the key and value rings, the ones leaving the window, are appended to the compressed
+/// caches at `offset` (as QuantizeAppend with in_place, both buffers), and the new
+/// tokens are written into those slots (as WriteTokens). One node instead of two for a
+/// decode step's window update, and the leaving tokens need no array of their own.
+/// inputs: per part (keys, values) codes, scales, the ring (B,H,slots,D), centroids
+///         [, mean]; then the new keys and values (B,H,L,D) in the rings' dtype; then
+///         arrays the write must follow (earlier readers of the slots; ordering only)
+/// outputs: k_codes, k_scales, v_codes, v_scales, the key ring, the value ring
+class RingAppend : public mx::Primitive {
+ public:
+  RingAppend(mx::Stream stream, int offset, int slot, std::vector<AppendPart> parts)
+      : mx::Primitive(stream), offset_(offset), slot_(slot), parts_(std::move(parts)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+      override;
+
+  const char* name() const override {
+    return "RingAppendKV";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RingAppend&>(other);
+    return offset_ == o.offset_ && slot_ == o.slot_ && parts_ == o.parts_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const size_t v = inputs_of(0);
+    return {inputs[0].shape(), inputs[1].shape(), inputs[v].shape(), inputs[v + 1].shape(),
+            inputs[2].shape(), inputs[v + 2].shape()};
+  }
+
+  /// Inputs of part i (codes, scales, ring, centroids, the mean when centered).
+  int inputs_of(size_t i) const {
+    return 4 + (parts_[i].centered ? 1 : 0);
+  }
+  int offset() const {
+    return offset_;
+  }
+  int slot() const {
+    return slot_;
+  }
+  const std::vector<AppendPart>& parts() const {
+    return parts_;
+  }
+
+ private:
+  void eval(bool on_gpu, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+
+  int offset_;
+  int slot_;
+  std::vector<AppendPart> parts_;
+};
+
 /// Settings of one attention call over the compressed cache.
 struct AttentionParams {
   int kv_len; // valid keys 0..kv_len-1

@@ -488,16 +488,20 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
         np.testing.assert_array_equal(np.array(old), np.array(new))  # one buffer
 
 
-@pytest.mark.parametrize("preset", ("plain", "tq4"))
-def test_decode_step_appends_in_one_node(tmp_path, preset):
+@pytest.mark.parametrize("preset", ("plain", "tq4", "tq4-two-nodes"))
+def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     # A decode step's append of keys and values is one graph node (the host's cost of a
     # short-context step is per node); the window preset's token that leaves the window
-    # too.
+    # too, and with the ring exchange (the default) that node also writes the new token
+    # into the ring: the step has no other write.
     from helpers import graph_nodes
+    from turboquant_mlx import cache as cache_module
     from turboquant_mlx import ops
 
     if not ops.has_kernels():
         pytest.skip("the plain-MLX fallback builds no primitives")
+    if preset == "tq4-two-nodes":
+        monkeypatch.setattr(cache_module, "_RING_APPEND", False)
     rng = np.random.default_rng(2)
     cfg = {} if preset == "plain" else dict(fp16_sink_tokens=4, fp16_recent_tokens=8,
                                             center=True)
@@ -510,9 +514,16 @@ def test_decode_step_appends_in_one_node(tmp_path, preset):
     n = cache._n_comp
     cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
     assert cache._n_comp == n + 1
-    labels = graph_nodes(tmp_path / "g.dot", cache._k_codes, cache._k_scales,
+    out = cache.attention(_rand(rng, (1, 4, 1, 64)), 0.1, None)
+    labels = graph_nodes(tmp_path / "g.dot", out, cache._k_codes, cache._k_scales,
                          cache._v_codes, cache._v_scales)
-    assert [x for x in labels if x.startswith("QuantizeAppend")] == ["QuantizeAppendKV"]
+    writes = [x for x in labels if x.startswith(("QuantizeAppend", "RingAppend", "WriteTokens"))]
+    if preset == "plain":
+        assert writes == ["QuantizeAppendKV"]
+    elif preset == "tq4":
+        assert writes == ["RingAppendKV"]
+    else:
+        assert sorted(writes) == ["QuantizeAppendKV", "WriteTokensKV"]
 
 
 def test_trim_then_append_leaves_earlier_arrays_unchanged():
@@ -1036,16 +1047,19 @@ def test_sinks_only_tail_is_transformed_once(monkeypatch):
     assert tails[0].shape[2] == 4 and tails[1] is tails[0] and tails[2] is tails[0]
 
 
-@pytest.mark.parametrize("op_rotation", [True, False], ids=["op-rotation", "host-rotation"])
-def test_window_tokens_leave_without_reading_the_window(monkeypatch, op_rotation):
+@pytest.mark.parametrize("mode", ["ring-append", "op-rotation", "host-rotation"])
+def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
     # The window token that leaves at a decode step is quantized from what the cache
-    # kept of it: with the rotation in the ops, the token as it arrived (so that the
-    # append does not hold the window buffer the step writes into); around the ops,
-    # the code-space copy in the last step's tail (not transformed again). The stored
-    # codes must be those of a cache that makes no attention calls.
+    # kept of it: with the rotation in the ops, from its ring slot in the node that
+    # writes the new token there (ring-append), or else from the token as it arrived
+    # (so that the append does not hold the window buffer the step writes into); around
+    # the ops, the code-space copy in the last step's tail (not transformed again). The
+    # stored codes must be those of a cache that makes no attention calls.
     import turboquant_mlx.cache as tq_cache
+    from turboquant_mlx import ops
 
-    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
+    monkeypatch.setattr(tq_cache, "_OP_ROTATION", mode != "host-rotation")
+    monkeypatch.setattr(tq_cache, "_RING_APPEND", mode == "ring-append")
     cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
                key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
     rng = np.random.default_rng(4)
@@ -1056,21 +1070,33 @@ def test_window_tokens_leave_without_reading_the_window(monkeypatch, op_rotation
         c.update_and_fetch(k, v)
     attending.attention(_rand(rng, (B, 2 * H, 40, D)), 0.125, "causal")
     # (the storing cache calibrates on the same 36 tokens at its next update)
-    quantized, arrived = [], []
-    quantize = attending._quantize
+    quantized, arrived, exchanged = [], [], []
+    quantize, ring_append = attending._quantize, attending._ring_append
+
+    def counted_ring_append(*a):  # (rk, rv, P, first, end)
+        done = ring_append(*a)
+        if done:
+            exchanged.append(a[2])
+        return done
+
     for step in range(20):
         if step == 1:  # the first decode step has no tail from a previous one
             monkeypatch.setattr(
                 attending, "_quantize", lambda *a: quantized.append(a) or quantize(*a))
+            monkeypatch.setattr(attending, "_ring_append", counted_ring_append)
         k, v = _rand(rng, (B, H, 1, D)) + 2.0, _rand(rng, (B, H, 1, D))
         for c in (attending, storing):
             c.update_and_fetch(k, v)
         arrived.append(attending._new_token)
         attending.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
-    if op_rotation:
+    if mode == "ring-append" and ops.has_ring_append():
+        # from step 1 on the ring (started by step 0's tail) is in sync: every token
+        # leaves from its slot
+        assert quantized == [] and len(exchanged) == 19
+    elif mode != "host-rotation":
         # the 12 tokens that left after arriving alone (steps 8-19): each from its own
         # arrays; the 7 before them came with the prefill
-        assert len(quantized) == 19
+        assert len(quantized) == 19 and exchanged == []
         from_arrival = [any(a[0] is t[0] and a[1] is t[1] for t in arrived) for a in quantized]
         assert from_arrival == [False] * 7 + [True] * 12
     else:
@@ -1145,16 +1171,21 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
         sum(a.nbytes for a in window) + ring_bytes)
 
 
+@pytest.mark.parametrize("ring_append", [True, False], ids=["ring-append", "write-only"])
 @pytest.mark.parametrize("sinks", [0, 3])
-def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks):
-    # A model-space ring step writes the new token into the ring in place (one
-    # WriteTokensKV node) instead of with slice updates. Outputs, codes and window must
-    # be bit-identical to the slice updates', also when several steps are built before
-    # anything is evaluated (each write must follow the previous step's attention,
-    # which read the slot it overwrites) and when the ring started from the window
-    # alone (no sinks: the ring must not be the window's buffer).
+def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_append):
+    # A model-space ring step writes the new token into the ring in place instead of
+    # with slice updates: in the node that also quantizes the leaving token from its
+    # slot (RingAppendKV), or in a WriteTokensKV node of its own. Outputs, codes and
+    # window must be bit-identical to the slice updates', also when several steps are
+    # built before anything is evaluated (each write must follow the previous step's
+    # attention, which read the slot it overwrites, and the exchange's append must read
+    # the slot before its write) and when the ring started from the window alone (no
+    # sinks: the ring must not be the window's buffer).
     import turboquant_mlx.cache as tq_cache
     import turboquant_mlx.ops as tq_ops
+
+    monkeypatch.setattr(tq_cache, "_RING_APPEND", ring_append)
 
     cfg = dict(center=True, fp16_sink_tokens=sinks, fp16_recent_tokens=8,
                rollback_tokens=4, calibration_tokens=16, seed=7)
@@ -1163,10 +1194,10 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks):
     # write would take as it is, were it the ring)
     B, H, D = 1, 1 if sinks == 0 else 2, 64
     in_place, lazy, slices = (TurboQuantKVCache(**cfg) for _ in range(3))
-    writes = []
-    write_tokens_kv = tq_ops.write_tokens_kv
-    monkeypatch.setattr(tq_ops, "write_tokens_kv", lambda *a, **kw: writes.append(
-        kw.get("after")) or write_tokens_kv(*a, **kw))
+    writes = []  # the `after` of each in-place ring write
+    for name in ("write_tokens_kv", "ring_append_kv"):
+        monkeypatch.setattr(tq_ops, name, lambda *a, _op=getattr(tq_ops, name), **kw: writes.append(
+            kw.get("after")) or _op(*a, **kw))
 
     def step(c, k, v, q):
         monkeypatch.setattr(tq_cache, "_RING_IN_PLACE", c is not slices)

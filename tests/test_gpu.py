@@ -205,6 +205,47 @@ def test_kv_as_one_launch_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype):
     np.testing.assert_array_equal(raw(out_v), want_v)
 
 
+@pytest.mark.parametrize("one_launch", ("1", "0"))
+@pytest.mark.parametrize("x_dtype", (mx.float16, mx.bfloat16))
+@pytest.mark.parametrize("bits", ((4, 4), (4, 2)))
+def test_ring_append_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype, bits):
+    # A window ring's exchange (one node: the slot's tokens quantized, then the new
+    # tokens written there) matches the CPU bit for bit: the codes and scales, and the
+    # rings, whose other slots keep their bits. The append reads the slot before the
+    # write overwrites it (within one node, two launches on CUDA).
+    monkeypatch.setenv("TURBOQUANT_KV_ONE_LAUNCH", one_launch)
+    rng = np.random.default_rng(411)
+    batch, heads, capacity, offset, head_dim, slots, slot = 2, 3, 16, 7, 128, 36, 9
+    kb, vb = bits
+    kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, kb)
+    vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, vb)
+    rings = [mx.array(random_tokens(rng, (batch, heads, slots, head_dim))).astype(x_dtype)
+             for _ in range(2)]
+    new = [mx.array(random_tokens(rng, (batch, heads, 1, head_dim))).astype(x_dtype)
+           for _ in range(2)]
+    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+              for _ in range(2))
+    ck, cv = mx.array(centroids_np(head_dim, kb)), mx.array(centroids_np(head_dim, vb))
+    signs = Rotation(head_dim, seed=8).kernel_signs
+    mx.eval(*rings, *new)
+
+    def run(stream):
+        out = ops.ring_append_kv(
+            mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc),
+            mx.array(rings[0]), mx.array(rings[1]), new[0], new[1], ck, cv, offset, slot,
+            kb, vb, key_rotation_signs=signs, value_rotation_signs=signs, key_mean=mk,
+            value_mean=mv, stream=stream)
+        mx.eval(*out)
+        return [bits_of(o) for o in out[:4]] + [np.array(o.view(mx.uint16)) for o in out[4:]]
+
+    want, got = run(mx.Device(mx.cpu)), run(gpu())
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    ring_k = np.array(rings[0].view(mx.uint16)).copy()
+    ring_k[:, :, slot] = np.array(new[0].view(mx.uint16))[:, :, 0]
+    np.testing.assert_array_equal(got[4], ring_k)
+
+
 def strided_last_axis(a):
     """The same values as a view whose last axis is not contiguous."""
     v = mx.swapaxes(mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))), -1, -2)

@@ -450,6 +450,74 @@ def test_write_tokens_kv_refuses_bad_input():
         assert_op_error(excinfo, "write_tokens_kv", message)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_ring_append_kv_exchanges_slots_in_order(dtype, tmp_path):
+    # ops.ring_append_kv on a ring of 4 slots, 8 exchanges built before one evaluation,
+    # each after the previous exchange's reader (`after`): the tokens that left (the
+    # ring's first 4, then the first 4 new ones) are quantized at offsets 0..7 as the
+    # reference codec quantizes them, and every reader sees the ring as it was after its
+    # own exchange.
+    rng = np.random.default_rng(23)
+    B, H, D, slots, bits = 1, 2, 64, 4, 4
+    ring0 = [random_tokens(rng, (B, H, slots, D), spread=False) for _ in range(2)]
+    kr, vr = (mx.array(r).astype(dtype) for r in ring0)
+    new = [mx.array(random_tokens(rng, (B, H, 1, D), spread=False)).astype(dtype)
+           for _ in range(16)]
+    kw, ks = (mx.array(a) for a in poisoned_cache(rng, B, H, 12, D, bits))
+    vw, vs = (mx.array(a) for a in poisoned_cache(rng, B, H, 12, D, bits))
+    c = mx.array(centroids_np(D, bits))
+    mx.eval(kr, vr, new, kw, ks, vw, vs)
+    ring = [to_np(kr.astype(mx.float32)), to_np(vr.astype(mx.float32))]
+    left_k, left_v, readers, wants, reader = [], [], [], [], None
+    for i in range(8):
+        slot = i % slots
+        left_k.append(ring[0][:, :, slot].copy())
+        left_v.append(ring[1][:, :, slot].copy())
+        kw, ks, vw, vs, kr, vr = ops.ring_append_kv(
+            kw, ks, vw, vs, kr, vr, new[2 * i], new[2 * i + 1], c, c, i, slot, bits, bits,
+            after=[] if reader is None else [reader])
+        if i == 0 and ops.has_ring_append():
+            labels = graph_nodes(tmp_path / "g.dot", kw, kr)
+            assert labels.count("RingAppendKV") == 1 and "WriteTokensKV" not in labels
+        reader = mx.concatenate([kr, vr], axis=3).astype(mx.float32) * 1.0
+        readers.append(reader)
+        ring[0][:, :, slot] = to_np(new[2 * i].astype(mx.float32))[:, :, 0]
+        ring[1][:, :, slot] = to_np(new[2 * i + 1].astype(mx.float32))[:, :, 0]
+        wants.append(np.concatenate(ring, axis=3))
+    mx.eval(readers, kw, ks, vw, vs)
+    for i, (got, want) in enumerate(zip(readers, wants)):
+        np.testing.assert_array_equal(to_np(got), want, err_msg=f"exchange {i}")
+    assert_codes_and_scales(np.array(kw)[:, :, :8], np.array(ks)[:, :, :8],
+                            np.stack(left_k, axis=2), bits)
+    assert_codes_and_scales(np.array(vw)[:, :, :8], np.array(vs)[:, :, :8],
+                            np.stack(left_v, axis=2), bits)
+
+
+def test_ring_append_kv_refuses_bad_input():
+    from turboquant_mlx import _ext
+
+    rng = np.random.default_rng(29)
+    kw, ks = (mx.array(a) for a in poisoned_cache(rng, 1, 2, 8, 64, 4))
+    ring = mx.zeros((1, 2, 6, 64), mx.float16)
+    x = mx.zeros((1, 2, 1, 64), mx.float16)
+    c = mx.array(centroids_np(64, 4))
+    good = dict(k_codes=kw, k_scales=ks, v_codes=kw, v_scales=ks, k_ring=ring, v_ring=ring,
+                keys=x, values=x, k_centroids=c, v_centroids=c, offset=0, slot=0,
+                key_bits=4, value_bits=4)
+    cases = [
+        (dict(slot=6), "capacity overflow"),
+        (dict(offset=8), "capacity overflow"),
+        (dict(values=x.astype(mx.float32)), "dtype float32 but the value ring float16"),
+        (dict(k_ring=mx.zeros((1, 3, 6, 64), mx.float16)), "do not match the key ring"),
+        (dict(value_bits=3), "value cache"),
+        (dict(keys=mx.zeros((1, 2, 1, 32), mx.float16)), "key ring"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError) as excinfo:
+            _ext.ring_append_kv(**{**good, **change})
+        assert_op_error(excinfo, "ring_append_kv", message)
+
+
 def test_quantize_append_reads_strided_tokens():
     # Models hand over (B, L, H, D) projections transposed to (B, H, L, D).
     rng = np.random.default_rng(11)

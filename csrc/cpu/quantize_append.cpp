@@ -187,6 +187,38 @@ void quantize_append_part(
   });
 }
 
+mx::array ring_slots_f32(const mx::array& ring, int slot, int length, const mx::Stream& s) {
+  mx::array x(
+      mx::Shape{ring.shape(0), ring.shape(1), length, ring.shape(3)}, mx::float32, nullptr, {});
+  x.set_data(mx::allocator::malloc(x.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  encoder.set_input_array(ring);
+  encoder.set_output_array(x);
+  encoder.dispatch([src = ring.data<char>(),
+                    dst = x.data<float>(),
+                    dtype = ring.dtype(),
+                    itemsize = int64_t(ring.itemsize()),
+                    shape = x.shape(),
+                    rs = ring.strides(),
+                    slot = int64_t(slot)]() {
+    float* to = dst;
+    for (int64_t b = 0; b < shape[0]; ++b) {
+      for (int64_t h = 0; h < shape[1]; ++h) {
+        for (int64_t l = 0; l < shape[2]; ++l) {
+          for (int64_t d = 0; d < shape[3]; ++d) {
+            const char* at = src + (b * rs[0] + h * rs[1] + (slot + l) * rs[2] + d * rs[3]) * itemsize;
+            *to++ = dtype == mx::float16 ? static_cast<float>(*reinterpret_cast<const mx::float16_t*>(at))
+                : dtype == mx::bfloat16  ? static_cast<float>(*reinterpret_cast<const mx::bfloat16_t*>(at))
+                                         : *reinterpret_cast<const float*>(at);
+          }
+        }
+      }
+    }
+  });
+  encoder.add_temporary(x); // (until the node's tasks, which read it, have run)
+  return x;
+}
+
 void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,

@@ -177,6 +177,12 @@ _RING_IN_PLACE = os.environ.get("TURBOQUANT_RING_IN_PLACE", "1") != "0"
 # op write float32 and converts it (one more node and kernel per layer).
 _OUT_IN_MODEL_DTYPE = os.environ.get("TURBOQUANT_OUT_IN_MODEL_DTYPE", "1") != "0"
 
+# A ring step's window update is one node (ops.ring_append_kv): the token leaving the
+# window is quantized from its ring slot and the new token written into that slot,
+# where otherwise the append and the ring write are a node each.
+# TURBOQUANT_RING_APPEND=0 keeps the two nodes.
+_RING_APPEND = os.environ.get("TURBOQUANT_RING_APPEND", "1") != "0"
+
 
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
@@ -826,7 +832,7 @@ class TurboQuantKVCache(_BaseCache):
         ``window_slack`` wait. Returns False where that does not apply."""
         if self._op_signs() is None or _is_empty(self._win_k_stored):
             return False
-        if end > first:
+        if end > first and not self._ring_append(rk, rv, P, first, end):
             leaving = self._recent_token(first, end) or self._stored_window_token(first, end)
             if leaving is None:
                 return False
@@ -837,6 +843,35 @@ class TurboQuantKVCache(_BaseCache):
         self._ring_tokens.append((P, rk, rv))
         if len(self._win_pending) >= self.window_slack:
             self._sync_window()
+        return True
+
+    def _ring_append(self, rk: mx.array, rv: mx.array, P: int, first: int, end: int) -> bool:
+        """The single token at ``P`` enters a ring in sync with a full window, and the
+        token at ``first`` (``P - R``), which leaves it from the same slot, is
+        quantized, both as one node (:func:`ops.ring_append_kv`). The ring then holds
+        position ``P``: the step's attention reads it as it is. False (nothing done)
+        where that does not apply."""
+        ring, R = self._ring, self.fp16_recent_tokens
+        if (not (_RING_APPEND and _RING_IN_PLACE) or ring is None or ring[2] != P
+                or end - first != 1 or first != P - R or not ops.has_ring_append()):
+            return False
+        ns = ring[0].shape[2] - R
+        slot = ns + (P - self.fp16_sink_tokens) % R
+        self._ring = None  # only the ring may hold its buffers (written in place)
+        self._ensure_capacity(self._n_comp + 1)
+        signs = self._op_signs()
+        after, self._ring_readers = self._ring_readers, []
+        (self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring_k,
+         ring_v) = ops.ring_append_kv(
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring[0], ring[1],
+            rk, rv, self._k_centroids, self._v_centroids, self._n_comp, slot,
+            self.key_bits, self.value_bits, key_rotation_signs=signs,
+            value_rotation_signs=signs if self.rotate_values else None,
+            key_mean=self._mu_k, value_mean=self._mu_v, after=after,
+        )
+        self._n_comp += 1
+        self._buffers_private = True
+        self._ring = (ring_k, ring_v, P + 1)
         return True
 
     def _sync_window(self):
@@ -1291,6 +1326,10 @@ class TurboQuantKVCache(_BaseCache):
         ring, new = self._ring, self._new_token
         P = self.offset - 1
         tail_k, tail_v = ring[0], ring[1]
+        if ring[2] == P + 1:  # written with the leaving token's append
+            if len(self._win_pending) == self.fp16_recent_tokens:
+                self._sync_window()  # (from the ring: see _sync_window)
+            return tail_k, tail_v
         self._ring = ring = None  # only the ring may hold it, or MLX copies it
         slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
         if _RING_IN_PLACE:
@@ -1366,7 +1405,9 @@ class TurboQuantKVCache(_BaseCache):
         holds the sinks and the full window before the new token), else None."""
         ring, new = self._ring, self._new_token
         P = self.offset - 1
-        if ring is None or new is None or new[2] != P or ring[2] != P or self._fresh is not None:
+        # (a ring at P + 1 holds the new token already: see _ring_append)
+        if (ring is None or new is None or new[2] != P or ring[2] not in (P, P + 1)
+                or self._fresh is not None):
             return None
         ns, c, wpos = self._layout()
         R = self.fp16_recent_tokens

@@ -18,6 +18,8 @@ __all__ = [
     "quantize_append",
     "quantize_append_kv",
     "write_tokens_kv",
+    "ring_append_kv",
+    "has_ring_append",
     "compressed_attention",
     "dequantize",
     "MAX_TAIL_TOKENS",
@@ -177,6 +179,65 @@ def write_tokens_kv(
         k_buffer[:, :, offset : offset + n] = keys
         v_buffer[:, :, offset : offset + n] = values
     return k_buffer, v_buffer
+
+
+def has_ring_append(stream=None) -> bool:
+    """Whether :func:`ring_append_kv` is one node on ``stream`` (CPU and CUDA; on Metal,
+    and without GPU kernels, it is an append and a write)."""
+    return has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu)
+
+
+def ring_append_kv(
+    k_codes: mx.array,
+    k_scales: mx.array,
+    v_codes: mx.array,
+    v_scales: mx.array,
+    k_ring: mx.array,
+    v_ring: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    k_centroids: mx.array,
+    v_centroids: mx.array,
+    offset: int,
+    slot: int,
+    key_bits: int,
+    value_bits: int,
+    *,
+    key_rotation_signs: Optional[Sequence[float]] = None,
+    value_rotation_signs: Optional[Sequence[float]] = None,
+    key_mean: Optional[mx.array] = None,
+    value_mean: Optional[mx.array] = None,
+    after: Sequence[mx.array] = (),
+    stream=None,
+):
+    """A window ring's exchange: the tokens in slots ``[slot, slot + L)`` of the rings
+    ``(B, H, slots, D)`` leave for the compressed caches at ``offset``
+    (:func:`quantize_append_kv` of those tokens) and ``keys`` / ``values`` ``(B, H, L,
+    D)`` take their slots (:func:`write_tokens_kv` with ``after``), as one graph node
+    where :func:`has_ring_append` says so: a window preset's decode step then updates
+    its window with one node, and the leaving tokens need no arrays of their own.
+
+    Returns:
+        tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
+    """
+    if has_ring_append(stream):
+        return tuple(_ext.ring_append_kv(
+            k_codes, k_scales, v_codes, v_scales, k_ring, v_ring, keys, values,
+            k_centroids, v_centroids, offset, slot, key_bits, value_bits,
+            key_rotation_signs=key_rotation_signs, value_rotation_signs=value_rotation_signs,
+            key_mean=key_mean, value_mean=value_mean, after=list(after), stream=stream,
+        ))
+    n = keys.shape[2]
+    leaving_k, leaving_v = k_ring[:, :, slot : slot + n], v_ring[:, :, slot : slot + n]
+    codes = quantize_append_kv(
+        k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
+        v_centroids, offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
+        value_rotation_signs=value_rotation_signs, key_mean=key_mean,
+        value_mean=value_mean, stream=stream,
+    )
+    rings = write_tokens_kv(k_ring, v_ring, keys, values, slot,
+                            after=list(after) + list(codes), stream=stream)
+    return tuple(codes) + tuple(rings)
 
 
 # Most tail tokens compressed_attention takes (TQ_MAX_TAIL in metal/tq_params.h).
