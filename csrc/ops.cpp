@@ -350,6 +350,50 @@ std::vector<mx::array> append_nodes(
   return outputs;
 }
 
+/// Both tensors' appends of a layer (quantize_append_kv, ring_append_kv), each checked
+/// as quantize_append checks it; keys and values must bring the same number of tokens
+/// into caches of the same capacity.
+std::vector<PreparedAppend> prepare_kv_appends(
+    const char* op,
+    const mx::array& k_codes,
+    const mx::array& k_scales,
+    const mx::array& v_codes,
+    const mx::array& v_scales,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& k_centroids,
+    const mx::array& v_centroids,
+    int offset,
+    int key_bits,
+    int value_bits,
+    const std::optional<std::vector<float>>& key_rotation_signs,
+    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<mx::array>& key_mean,
+    const std::optional<mx::array>& value_mean,
+    const mx::Stream& stream) {
+  std::vector<PreparedAppend> appends;
+  appends.push_back(prepare_append(
+      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
+      key_rotation_signs, key_mean, stream));
+  appends.push_back(prepare_append(
+      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
+      value_rotation_signs, value_mean, stream));
+  if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
+    fail(
+        op,
+        "keys ",
+        shape_str(keys.shape()),
+        " and values ",
+        shape_str(values.shape()),
+        " must bring the same tokens into caches of the same capacity (key cache ",
+        shape_str(k_codes.shape()),
+        ", value cache ",
+        shape_str(v_codes.shape()),
+        ").");
+  }
+  return appends;
+}
+
 } // namespace
 
 std::vector<mx::array> quantize_append(
@@ -389,26 +433,10 @@ std::vector<mx::array> quantize_append_kv(
     mx::StreamOrDevice s) {
   constexpr const char* op = "quantize_append_kv";
   auto stream = mx::to_stream(s);
-  std::vector<PreparedAppend> appends;
-  appends.push_back(prepare_append(
-      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
-      key_rotation_signs, key_mean, stream));
-  appends.push_back(prepare_append(
-      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
-      value_rotation_signs, value_mean, stream));
-  if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
-    fail(
-        op,
-        "keys ",
-        shape_str(keys.shape()),
-        " and values ",
-        shape_str(values.shape()),
-        " must bring the same tokens into caches of the same capacity (key cache ",
-        shape_str(k_codes.shape()),
-        ", value cache ",
-        shape_str(v_codes.shape()),
-        ").");
-  }
+  auto appends = prepare_kv_appends(
+      op, k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
+      key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
+      stream);
   return append_nodes(
       {{k_codes, k_scales}, {v_codes, v_scales}}, appends, offset, /* in_place = */ true,
       stream);
@@ -514,17 +542,10 @@ std::vector<mx::array> ring_append_kv(
   auto stream = mx::to_stream(s);
   // The append's checks, on the leaving tokens (the new tokens' shape and dtype);
   // its x is then the ring itself, whose slots the node reads.
-  std::vector<PreparedAppend> appends;
-  appends.push_back(prepare_append(
-      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
-      key_rotation_signs, key_mean, stream));
-  appends.push_back(prepare_append(
-      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
-      value_rotation_signs, value_mean, stream));
-  if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
-    fail(op, "keys ", shape_str(keys.shape()), " and values ", shape_str(values.shape()),
-         " must bring the same tokens into caches of the same capacity.");
-  }
+  auto appends = prepare_kv_appends(
+      op, k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
+      key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
+      stream);
   std::vector<mx::array> inputs;
   std::vector<AppendPart> parts;
   const std::pair<mx::array, mx::array> buffers[2] = {{k_codes, k_scales}, {v_codes, v_scales}};
