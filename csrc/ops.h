@@ -93,8 +93,9 @@ std::vector<mx::array> write_tokens_kv(
 /// cache's window -- are quantized into the caches at `offset` (as quantize_append_kv,
 /// same arguments per tensor), then the new keys and values (B, H, L, D, in the
 /// rings' dtype) are written into those slots (as write_tokens_kv, in place; `after`
-/// as there). CPU and CUDA streams. Returns the key codes and scales, the value codes
-/// and scales, then the key and value rings.
+/// as there). CPU and CUDA streams; on the CPU a leaving token that cannot be quantized
+/// raises as quantize_append does, and the rings are then not written. Returns the key
+/// codes and scales, the value codes and scales, then the key and value rings.
 std::vector<mx::array> ring_append_kv(
     const mx::array& k_codes,
     const mx::array& k_scales,

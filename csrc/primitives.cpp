@@ -74,10 +74,15 @@ void RingAppend::eval(
                              : cpu::ring_slots_f32(inputs[ring], slot_, length, stream());
   }
   std::vector<mx::array> append_out(outputs.begin(), outputs.begin() + 4);
+  // (CPU: the write runs only if both parts were written; a part that refuses its
+  // tokens raises, and then the rings keep theirs)
+  cpu::TaskCount appended = on_gpu ? nullptr : std::make_shared<std::atomic<int>>(0);
   if (on_gpu) {
     append.eval_gpu(append_in, append_out);
   } else {
-    append.eval_cpu(append_in, append_out);
+    append.walk_parts([&](const AppendPart& part, size_t in, size_t out) {
+      cpu::quantize_append_part(append, part, stream(), &append_in[in], &append_out[out], appended);
+    });
   }
   // 2. The new tokens into the slots. The write follows the append, which reads them
   //    (the CUDA graph orders a kernel after the writers of its inputs: the append's
@@ -90,7 +95,7 @@ void RingAppend::eval(
   if (on_gpu) {
     write.eval_gpu(write_in, write_out);
   } else {
-    write.eval_cpu(write_in, write_out);
+    cpu::write_tokens(write, stream(), write_in, write_out, appended, 2);
   }
 }
 

@@ -493,6 +493,36 @@ def test_ring_append_kv_exchanges_slots_in_order(dtype, tmp_path):
                             np.stack(left_v, axis=2), bits)
 
 
+@pytest.mark.cpu_only(reason="the CPU kernel refuses NaN/Inf tokens with an error; a GPU "
+                      "kernel cannot raise")
+@pytest.mark.parametrize("bad", ("nan", "huge"))
+def test_ring_append_kv_refuses_a_bad_leaving_token_without_writing(bad):
+    # A token leaving the ring that cannot be quantized raises as quantize_append does,
+    # and the exchange then writes nothing: the rings keep every token, the new ones
+    # are not written.
+    rng = np.random.default_rng(31)
+    B, H, D, bits = 1, 2, 64, 4
+    x = random_tokens(rng, (B, H, 4, D), spread=False)
+    x[0, 1, 2, 5] = np.nan if bad == "nan" else 60000.0  # (slot 2: the one leaving)
+    k_ring = mx.array(x)
+    v_ring = mx.array(random_tokens(rng, (B, H, 4, D), spread=False))
+    new = mx.ones((B, H, 1, D), mx.float32)
+    kw, ks = (mx.array(a) for a in poisoned_cache(rng, B, H, 8, D, bits))
+    vw, vs = (mx.array(a) for a in poisoned_cache(rng, B, H, 8, D, bits))
+    c = mx.array(centroids_np(D, bits))
+    mx.eval(k_ring, v_ring, new, kw, ks, vw, vs)
+    before = [np.array(a) for a in (k_ring, v_ring, kw, ks, vw, vs)]
+    out = ops.ring_append_kv(kw, ks, vw, vs, k_ring, v_ring, new, new, c, c, 3, 2, bits, bits)
+    with pytest.raises(RuntimeError) as excinfo:
+        mx.eval(*out)
+    assert_op_error(excinfo, "quantize_append", *(("non-finite",) if bad == "nan" else ("norm",)))
+    for a, b in zip((k_ring, v_ring), before):
+        np.testing.assert_array_equal(np.array(a), b)  # (NaN compares equal here)
+    # the keys' part, whose token is bad, wrote nothing
+    np.testing.assert_array_equal(np.array(kw), before[2])
+    np.testing.assert_array_equal(np.array(ks).view(np.uint16), before[3].view(np.uint16))
+
+
 def test_ring_append_kv_refuses_bad_input():
     from turboquant_mlx import _ext
 

@@ -1,31 +1,43 @@
 // CPU backend of the primitives (eval_cpu).
 #pragma once
 
+#include <atomic>
+#include <memory>
 #include <vector>
 
 #include "primitives.h"
 
 namespace turboquant_mlx::cpu {
 
+/// Counts the tasks of a node that completed, for a later task of the node that must
+/// not run after a failed one (RingAppend's write after its append).
+using TaskCount = std::shared_ptr<std::atomic<int>>;
+
 /// One part (tensor) of a QuantizeAppend node: its inputs from `in`, its buffers'
-/// outputs from `out`.
+/// outputs from `out`. `done` (optional) is incremented once the part is written.
 void quantize_append_part(
     const QuantizeAppend& prim,
     const AppendPart& part,
     const mx::Stream& s,
     const mx::array* in,
-    mx::array* out);
+    mx::array* out,
+    TaskCount done = nullptr);
 
 /// Tokens [slot, slot + length) of a ring (B, H, slots, D; float32, float16 or
 /// bfloat16) as a float32 row-major array (B, H, length, D), filled by a task of the
 /// stream's encoder (RingAppend's leaving tokens, as the quantize kernel reads them).
 mx::array ring_slots_f32(const mx::array& ring, int slot, int length, const mx::Stream& s);
 
+/// One WriteTokens node. With `after`, its copies run only if `after` counts `needed`
+/// completed tasks by then (they follow those tasks on the stream): otherwise the
+/// buffers keep their contents.
 void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs);
+    std::vector<mx::array>& outputs,
+    TaskCount after = nullptr,
+    int needed = 0);
 
 void attention(
     const CompressedAttention& prim,

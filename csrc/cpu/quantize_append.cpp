@@ -65,7 +65,8 @@ void quantize_append_part(
     const AppendPart& part,
     const mx::Stream& s,
     const mx::array* in,
-    mx::array* out) {
+    mx::array* out,
+    TaskCount done) {
   const int nb = prim.buffers();
   for (int i = 0; i < nb; ++i) {
     take_buffer("quantize_append", in[i], out[i], prim.in_place(), s);
@@ -102,7 +103,8 @@ void quantize_append_part(
                     length,
                     head_dim,
                     capacity,
-                    words]() {
+                    words,
+                    done]() {
     int n_vectors = batch * heads * length;
     // Refuse non-finite input before writing anything, so a bad token never lands
     // in the cache.
@@ -184,6 +186,9 @@ void quantize_append_part(
         scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
       }
     }
+    if (done) {
+      done->fetch_add(1);
+    }
   });
 }
 
@@ -223,7 +228,9 @@ void write_tokens(
     const WriteTokens& prim,
     const mx::Stream& s,
     const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    std::vector<mx::array>& outputs,
+    TaskCount after,
+    int needed) {
   // (the inputs after the tokens only order this node after earlier readers)
   const int n = prim.buffers();
   for (int i = 0; i < n; ++i) {
@@ -239,7 +246,12 @@ void write_tokens(
                       shape = x.shape(),
                       xs = x.strides(),
                       os = out.strides(),
-                      offset = int64_t(prim.offset())]() {
+                      offset = int64_t(prim.offset()),
+                      after,
+                      needed]() {
+      if (after && after->load() != needed) {
+        return; // a task it follows failed (and raised): leave the buffer as it is
+      }
       const int64_t D = shape[3];
       for (int64_t b = 0; b < shape[0]; ++b) {
         for (int64_t h = 0; h < shape[1]; ++h) {

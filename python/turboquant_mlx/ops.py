@@ -215,7 +215,9 @@ def ring_append_kv(
     (:func:`quantize_append_kv` of those tokens) and ``keys`` / ``values`` ``(B, H, L,
     D)`` take their slots (:func:`write_tokens_kv` with ``after``), as one graph node
     where :func:`has_ring_append` says so: a window preset's decode step then updates
-    its window with one node, and the leaving tokens need no arrays of their own.
+    its window with one node, and the leaving tokens need no arrays of their own. On
+    the CPU a leaving token that cannot be quantized (NaN/Inf, a scale beyond float16)
+    raises as :func:`quantize_append` does, and the rings are then not written.
 
     Returns:
         tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
