@@ -239,7 +239,7 @@ namespace {
 /// QuantizeAppend): the part, and the inputs after its buffers.
 struct PreparedAppend {
   AppendPart part;
-  std::vector<mx::array> rest; // x, centroids [, mean]
+  std::vector<mx::array> rest; // x (unless the node reads its tokens elsewhere), centroids [, mean]
 };
 
 PreparedAppend prepare_append(
@@ -253,7 +253,8 @@ PreparedAppend prepare_append(
     int bits,
     const std::optional<std::vector<float>>& rotation_signs,
     const std::optional<mx::array>& mean,
-    const mx::Stream& stream) {
+    const mx::Stream& stream,
+    bool x_is_input = true) {
   int capacity = check_cache(op, what, codes, scales, centroids, bits);
   check_float(op, "x", x);
   if (x.ndim() != 4) {
@@ -284,7 +285,11 @@ PreparedAppend prepare_append(
   check_token_slots(op, "appending", offset, x.shape(2), capacity);
   PreparedAppend a{{bits, signed_hadamard(op, rotation_signs, head_dim), mean.has_value()}, {}};
   // The kernels read plain row-major buffers; these are no-ops for the usual inputs.
-  a.rest = {kernel_input(x, stream, true), mx::astype(centroids, mx::float32, stream)};
+  // (Without x_is_input, x stands for tokens the node reads from elsewhere.)
+  if (x_is_input) {
+    a.rest.push_back(kernel_input(x, stream, true));
+  }
+  a.rest.push_back(mx::astype(centroids, mx::float32, stream));
   if (mean) {
     a.rest.push_back(
         mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
@@ -352,7 +357,8 @@ std::vector<mx::array> append_nodes(
 
 /// Both tensors' appends of a layer (quantize_append_kv, ring_append_kv), each checked
 /// as quantize_append checks it; keys and values must bring the same number of tokens
-/// into caches of the same capacity.
+/// into caches of the same capacity. `tokens_are_inputs`: see prepare_append's
+/// x_is_input.
 std::vector<PreparedAppend> prepare_kv_appends(
     const char* op,
     const mx::array& k_codes,
@@ -370,14 +376,15 @@ std::vector<PreparedAppend> prepare_kv_appends(
     const std::optional<std::vector<float>>& value_rotation_signs,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,
-    const mx::Stream& stream) {
+    const mx::Stream& stream,
+    bool tokens_are_inputs = true) {
   std::vector<PreparedAppend> appends;
   appends.push_back(prepare_append(
       op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
-      key_rotation_signs, key_mean, stream));
+      key_rotation_signs, key_mean, stream, tokens_are_inputs));
   appends.push_back(prepare_append(
       op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
-      value_rotation_signs, value_mean, stream));
+      value_rotation_signs, value_mean, stream, tokens_are_inputs));
   if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
     fail(
         op,
@@ -545,7 +552,7 @@ std::vector<mx::array> ring_append_kv(
   auto appends = prepare_kv_appends(
       op, k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
       key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
-      stream);
+      stream, /* tokens_are_inputs = */ false);
   std::vector<mx::array> inputs;
   std::vector<AppendPart> parts;
   const std::pair<mx::array, mx::array> buffers[2] = {{k_codes, k_scales}, {v_codes, v_scales}};
@@ -555,7 +562,7 @@ std::vector<mx::array> ring_append_kv(
     inputs.push_back(buffers[i].first);
     inputs.push_back(buffers[i].second);
     inputs.push_back(*rings[i]);
-    inputs.insert(inputs.end(), appends[i].rest.begin() + 1, appends[i].rest.end());
+    inputs.insert(inputs.end(), appends[i].rest.begin(), appends[i].rest.end());
   }
   inputs.push_back(keys);
   inputs.push_back(values);
