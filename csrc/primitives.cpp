@@ -62,40 +62,39 @@ void RingAppend::eval(
     bool on_gpu,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  const size_t v_in = inputs_of(0), parts_end = v_in + inputs_of(1);
+  const size_t v_in = append_.inputs_of(0), parts_end = v_in + append_.inputs_of(1);
   const mx::array& new_k = inputs[parts_end];
   const int length = new_k.shape(2);
+  const int slot = write_.offset();
   // 1. The leaving tokens into the compressed caches, read where they are: a view of
   //    each ring (float32 row-major copies on the CPU, whose kernel reads those).
-  QuantizeAppend append(stream(), offset_, AppendTarget::Both, parts_, /* in_place = */ true);
   std::vector<mx::array> append_in(inputs.begin(), inputs.begin() + parts_end);
   for (size_t ring : {size_t(2), v_in + 2}) {
-    append_in[ring] = on_gpu ? ring_slots_view(inputs[ring], slot_, length)
-                             : cpu::ring_slots_f32(inputs[ring], slot_, length, stream());
+    append_in[ring] = on_gpu ? ring_slots_view(inputs[ring], slot, length)
+                             : cpu::ring_slots_f32(inputs[ring], slot, length, stream());
   }
   std::vector<mx::array> append_out(outputs.begin(), outputs.begin() + 4);
   // (CPU: the write runs only if both parts were written; a part that refuses its
   // tokens raises, and then the rings keep theirs)
   cpu::TaskCount appended = on_gpu ? nullptr : std::make_shared<std::atomic<int>>(0);
   if (on_gpu) {
-    append.eval_gpu(append_in, append_out);
+    append_.eval_gpu(append_in, append_out);
   } else {
-    append.walk_parts([&](const AppendPart& part, size_t in, size_t out) {
-      cpu::quantize_append_part(append, part, stream(), &append_in[in], &append_out[out], appended);
+    append_.walk_parts([&](const AppendPart& part, size_t in, size_t out) {
+      cpu::quantize_append_part(append_, part, stream(), &append_in[in], &append_out[out], appended);
     });
   }
   // 2. The new tokens into the slots. The write follows the append, which reads them
   //    (the CUDA graph orders a kernel after the writers of its inputs: the append's
   //    outputs), and the earlier readers given as inputs.
-  WriteTokens write(stream(), slot_, 2);
   std::vector<mx::array> write_in = {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]};
   write_in.insert(write_in.end(), append_out.begin(), append_out.end());
   write_in.insert(write_in.end(), inputs.begin() + parts_end + 2, inputs.end());
   std::vector<mx::array> write_out = {outputs[4], outputs[5]};
   if (on_gpu) {
-    write.eval_gpu(write_in, write_out);
+    write_.eval_gpu(write_in, write_out);
   } else {
-    cpu::write_tokens(write, stream(), write_in, write_out, appended, 2);
+    cpu::write_tokens(write_, stream(), write_in, write_out, appended, 2);
   }
 }
 

@@ -225,7 +225,9 @@ class WriteTokens : public mx::Primitive {
 class RingAppend : public mx::Primitive {
  public:
   RingAppend(mx::Stream stream, int offset, int slot, std::vector<AppendPart> parts)
-      : mx::Primitive(stream), offset_(offset), slot_(slot), parts_(std::move(parts)) {}
+      : mx::Primitive(stream),
+        append_(stream, offset, AppendTarget::Both, std::move(parts), /* in_place = */ true),
+        write_(stream, slot, 2) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -237,34 +239,21 @@ class RingAppend : public mx::Primitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RingAppend&>(other);
-    return offset_ == o.offset_ && slot_ == o.slot_ && parts_ == o.parts_;
+    return append_.is_equivalent(o.append_) && write_.is_equivalent(o.write_);
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const size_t v = inputs_of(0);
+    const size_t v = append_.inputs_of(0);
     return {inputs[0].shape(), inputs[1].shape(), inputs[v].shape(), inputs[v + 1].shape(),
             inputs[2].shape(), inputs[v + 2].shape()};
-  }
-
-  /// Inputs of part i (codes, scales, ring, centroids, the mean when centered).
-  int inputs_of(size_t i) const {
-    return 4 + (parts_[i].centered ? 1 : 0);
-  }
-  int offset() const {
-    return offset_;
-  }
-  int slot() const {
-    return slot_;
-  }
-  const std::vector<AppendPart>& parts() const {
-    return parts_;
   }
 
  private:
   void eval(bool on_gpu, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
 
-  int offset_;
-  int slot_;
-  std::vector<AppendPart> parts_;
+  // The two nodes it stands for: their inputs are laid out as QuantizeAppend's (the
+  // ring where x stands) and WriteTokens' (slot = the write's offset).
+  QuantizeAppend append_;
+  WriteTokens write_;
 };
 
 /// Settings of one attention call over the compressed cache.
