@@ -244,6 +244,13 @@ T* mptr(mx::array& a) {
   return mx::gpu_ptr<T>(a);
 }
 
+/// The kernels' element type for float32, float16 or bfloat16 inputs.
+ck::QType qtype_of(mx::Dtype t) {
+  return t == mx::float16 ? ck::QType::Float16
+      : t == mx::bfloat16 ? ck::QType::BFloat16
+                          : ck::QType::Float32;
+}
+
 /// The arguments of a row-contiguous copy of `in` (4- or 2-byte elements, up to 4 axes)
 /// into `out`'s memory; with `at_token` >= 0 (4-axis arrays that agree but in their
 /// tokens, axis 2), into out's tokens [at_token, at_token + in.shape(2)) along out's
@@ -509,9 +516,7 @@ PreparedPart prepare_part(
   mx::array* codes = prim.writes_codes() ? &out[0] : nullptr;
   mx::array* scales = prim.writes_scales() ? &out[nb - 1] : nullptr;
   const int head_dim = x.shape(3);
-  const ck::QType xt = x.dtype() == mx::float16 ? ck::QType::Float16
-      : x.dtype() == mx::bfloat16                ? ck::QType::BFloat16
-                                                 : ck::QType::Float32;
+  const ck::QType xt = qtype_of(x.dtype());
   ck::TQQuantArgs a{};
   TQQuantParams& p = a.p;
   for (int ax = 0; ax < 3; ++ax) {
@@ -838,9 +843,7 @@ void attention(
   }
 
   if (partials && merge_count == nullptr) {
-    const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
-        : q.dtype() == mx::bfloat16                ? ck::QType::BFloat16
-                                                   : ck::QType::Float32;
+    const ck::QType qt = qtype_of(q.dtype());
     if (!out_f32 && out.dtype() != q.dtype()) {
       throw std::invalid_argument(
           "[turboquant_mlx.compressed_attention] out_dtype must be float32 or the queries' "
