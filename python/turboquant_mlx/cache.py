@@ -1326,22 +1326,19 @@ class TurboQuantKVCache(_BaseCache):
         ring, new = self._ring, self._new_token
         P = self.offset - 1
         tail_k, tail_v = ring[0], ring[1]
-        if ring[2] == P + 1:  # written with the leaving token's append
-            if len(self._win_pending) == self.fp16_recent_tokens:
-                self._sync_window()  # (from the ring: see _sync_window)
-            return tail_k, tail_v
-        self._ring = ring = None  # only the ring may hold it, or MLX copies it
-        slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
-        if _RING_IN_PLACE:
-            # The ring's buffers are this cache's own (see _model_space_tail); the slot's
-            # last reader was the previous step's attention.
-            after, self._ring_readers = self._ring_readers, []
-            tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
-                                                 after=after)
-        else:
-            tail_k[:, :, slot : slot + 1] = new[0]
-            tail_v[:, :, slot : slot + 1] = new[1]
-        self._ring = (tail_k, tail_v, P + 1)
+        if ring[2] == P:  # (at P + 1 the leaving token's append wrote it: _ring_append)
+            self._ring = ring = None  # only the ring may hold it, or MLX copies it
+            slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
+            if _RING_IN_PLACE:
+                # The ring's buffers are this cache's own (see _model_space_tail); the
+                # slot's last reader was the previous step's attention.
+                after, self._ring_readers = self._ring_readers, []
+                tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
+                                                     after=after)
+            else:
+                tail_k[:, :, slot : slot + 1] = new[0]
+                tail_v[:, :, slot : slot + 1] = new[1]
+            self._ring = (tail_k, tail_v, P + 1)
         if len(self._win_pending) == self.fp16_recent_tokens:
             self._sync_window()  # (from the ring: see _sync_window)
         return tail_k, tail_v

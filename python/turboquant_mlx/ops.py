@@ -149,6 +149,11 @@ def quantize_append_kv(
 _METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal kernel)
 
 
+def _has_write_kernel(stream) -> bool:
+    """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
+    return has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu)
+
+
 def write_tokens_kv(
     k_buffer: mx.array,
     v_buffer: mx.array,
@@ -171,7 +176,7 @@ def write_tokens_kv(
     Returns:
         tuple[array, array]: ``(k_buffer, v_buffer)``.
     """
-    if has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu):
+    if _has_write_kernel(stream):
         return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
                                           after=list(after), stream=stream))
     n = keys.shape[2]
@@ -184,7 +189,7 @@ def write_tokens_kv(
 def has_ring_append(stream=None) -> bool:
     """Whether :func:`ring_append_kv` is one node on ``stream`` (CPU and CUDA; on Metal,
     and without GPU kernels, it is an append and a write)."""
-    return has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu)
+    return _has_write_kernel(stream)
 
 
 def ring_append_kv(
