@@ -15,6 +15,8 @@ namespace tq = turboquant_mlx;
 
 NB_MODULE(_ext, m) {
   m.doc() = "TurboQuant compressed KV-cache primitives for MLX (rotated space).";
+  // mx.Dtype defaults below are converted by mlx.core's bindings: load them first.
+  nb::module_::import_("mlx.core");
 
   m.attr("MAX_TAIL_TOKENS") = TQ_MAX_TAIL; // most tail tokens compressed_attention takes
 
@@ -243,6 +245,11 @@ NB_MODULE(_ext, m) {
       "start"_a,
       "length"_a,
       nb::kw_only(),
+      "dtype"_a = mlx::core::float32,
+      "before"_a = 0,
+      "after"_a = 0,
       "stream"_a = nb::none(),
-      "Decode tokens [start, start + length) to rotated-space float32 (B, H, length, D).");
+      "Decode tokens [start, start + length) to rotated-space vectors of dtype at slots\n"
+      "[before, before + length) of a (B, H, before + length + after, D) array whose other\n"
+      "slots are zero.");
 }

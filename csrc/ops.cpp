@@ -1,3 +1,4 @@
+#include <limits>
 #include "ops.h"
 
 #include <cstdlib>
@@ -788,6 +789,9 @@ mx::array dequantize(
     int bits,
     int start,
     int length,
+    mx::Dtype dtype,
+    int before,
+    int after,
     mx::StreamOrDevice s) {
   constexpr const char* op = "dequantize";
   int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
@@ -802,12 +806,20 @@ mx::array dequantize(
         capacity,
         ".");
   }
+  if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) {
+    fail(op, "dtype must be float32, float16 or bfloat16, got ", dtype_str(dtype), ".");
+  }
+  const int64_t slots = static_cast<int64_t>(before) + length + after;
+  if (before < 0 || after < 0 || slots > std::numeric_limits<int>::max()) {
+    fail(op, "before and after must be >= 0 with before + length + after < 2^31, got before ",
+         before, ", after ", after, " for ", length, " tokens.");
+  }
   auto stream = mx::to_stream(s);
   int head_dim = codes.shape(3) * 32 / bits;
   return mx::array(
-      {codes.shape(0), codes.shape(1), length, head_dim},
-      mx::float32,
-      std::make_shared<Dequantize>(stream, bits, start, length),
+      {codes.shape(0), codes.shape(1), static_cast<int>(slots), head_dim},
+      dtype,
+      std::make_shared<Dequantize>(stream, bits, start, length, before, after),
       {mx::contiguous(codes, false, stream),
        mx::contiguous(scales, false, stream),
        mx::astype(centroids, mx::float32, stream)});

@@ -151,8 +151,9 @@ std::vector<mx::array> compressed_attention(
     std::optional<mx::Dtype> out_dtype = std::nullopt,
     mx::StreamOrDevice s = {});
 
-/// Decodes tokens [start, start + length) into rotated-space float32 vectors
-/// (B, H, length, D).
+/// Decodes tokens [start, start + length) into rotated-space vectors of `dtype`
+/// (float32, float16 or bfloat16), at slots [before, before + length) of a
+/// (B, H, before + length + after, D) array whose other slots are zero.
 mx::array dequantize(
     const mx::array& codes,
     const mx::array& scales,
@@ -160,6 +161,9 @@ mx::array dequantize(
     int bits,
     int start,
     int length,
+    mx::Dtype dtype = mx::float32,
+    int before = 0,
+    int after = 0,
     mx::StreamOrDevice s = {});
 
 } // namespace turboquant_mlx

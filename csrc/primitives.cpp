@@ -146,12 +146,13 @@ void Dequantize::eval_gpu(
 
 bool Dequantize::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Dequantize&>(other);
-  return bits_ == o.bits_ && start_ == o.start_ && length_ == o.length_;
+  return bits_ == o.bits_ && start_ == o.start_ && length_ == o.length_ &&
+      before_ == o.before_ && after_ == o.after_;
 }
 
 std::vector<mx::Shape> Dequantize::output_shapes(const std::vector<mx::array>& inputs) {
   auto& c = inputs[0].shape();
-  return {{c[0], c[1], length_, c[3] * 32 / bits_}};
+  return {{c[0], c[1], before_ + length_ + after_, c[3] * 32 / bits_}};
 }
 
 } // namespace turboquant_mlx

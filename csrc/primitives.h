@@ -325,13 +325,20 @@ class CompressedAttention : public mx::Primitive {
   AttentionParams params_;
 };
 
-/// Decodes tokens start..start+length-1 of one cache buffer into rotated-space vectors.
+/// Decodes tokens start..start+length-1 of one cache buffer into rotated-space vectors,
+/// at slots [before, before + length) of an output with `after` more slots; the slots
+/// around them are zero (the prefill writes its fp16 tokens there, in place).
 /// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, centroids (2^b) f32
-/// outputs: (B,H,length,D) f32
+/// outputs: (B,H,before+length+after,D) f32, f16 or bf16
 class Dequantize : public mx::Primitive {
  public:
-  Dequantize(mx::Stream stream, int bits, int start, int length)
-      : mx::Primitive(stream), bits_(bits), start_(start), length_(length) {}
+  Dequantize(mx::Stream stream, int bits, int start, int length, int before, int after)
+      : mx::Primitive(stream),
+        bits_(bits),
+        start_(start),
+        length_(length),
+        before_(before),
+        after_(after) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -353,11 +360,16 @@ class Dequantize : public mx::Primitive {
   int length() const {
     return length_;
   }
+  int before() const {
+    return before_;
+  }
 
  private:
   int bits_;
   int start_;
   int length_;
+  int before_;
+  int after_;
 };
 
 } // namespace turboquant_mlx

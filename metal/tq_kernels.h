@@ -961,17 +961,19 @@ TQ_FN void tq_quantize_impl(
 
 // ============================================================================ dequantize
 
-/// Rotated-space vectors of tokens [start, start + length): out = scale * C[code].
-/// One thread per output coordinate.
+/// Rotated-space vectors of tokens [start, start + length): out = scale * C[code], in
+/// out's type (OT: float, half, or bfloat16 as raw ushort bits), written at slots
+/// [before, before + length) of each head's out_tokens slots; the slots around them are
+/// zeroed (the prefill fills them with its fp16 tokens). One thread per output element.
 ///   codes (batch, heads, cap, W) uint, scales (batch, heads, cap) half, cent (2^B) float
-///   out (batch, heads, length, head_dim) float, row-contiguous
+///   out (batch, heads, out_tokens, head_dim), row-contiguous
 /// Grid: ceil(total / TQ_DEQUANT_THREADS) threadgroups; smem: 16 floats.
-template <int B>
+template <typename OT, int B>
 TQ_FN void tq_dequantize_impl(
     const TQ_DEV tq_uint* TQ_RESTRICT codes,
     const TQ_DEV tq_half* TQ_RESTRICT scales,
     const TQ_DEV float* TQ_RESTRICT cent,
-    TQ_DEV float* TQ_RESTRICT out,
+    TQ_DEV OT* TQ_RESTRICT out,
     TQ_CONST TQDequantParams& p,
     TQ_TG float* smem,
     TQThread th) {
@@ -980,15 +982,19 @@ TQ_FN void tq_dequantize_impl(
   }
   tq_threadgroup_barrier();
   const int64_t e = int64_t(th.tg_x) * TQ_DEQUANT_THREADS + th.tid;
-  const int64_t total = int64_t(p.batch) * p.heads * p.length * p.head_dim;
+  const int64_t total = int64_t(p.batch) * p.heads * p.out_tokens * p.head_dim;
   if (e >= total) {
     return;
   }
   const int d = int(e % p.head_dim);
   const int64_t tv = e / p.head_dim;
-  const int t = int(tv % p.length);
-  const int h = int((tv / p.length) % p.heads);
-  const int b = int(tv / (int64_t(p.length) * p.heads));
+  const int t = int(tv % p.out_tokens) - p.before;
+  if (t < 0 || t >= p.length) {
+    tq_store_out(out + e, 0.0f);
+    return;
+  }
+  const int h = int((tv / p.out_tokens) % p.heads);
+  const int b = int(tv / (int64_t(p.out_tokens) * p.heads));
   const int64_t tok = int64_t(p.start) + t;
   const TQ_DEV tq_uint* cw = codes + b * p.c_stride[0] + h * p.c_stride[1] + tok * p.c_stride[2];
   const int bit = d * B;
@@ -998,7 +1004,7 @@ TQ_FN void tq_dequantize_impl(
     c |= cw[w + 1] << (32 - off);
   }
   const float sc = tq_to_float(scales[b * p.s_stride[0] + h * p.s_stride[1] + tok * p.s_stride[2]]);
-  out[e] = sc * smem[c & ((1u << B) - 1u)];
+  tq_store_out(out + e, sc * smem[c & ((1u << B) - 1u)]);
 }
 
 // ============================================================================ copy
@@ -1095,12 +1101,12 @@ template <typename XT, int D, int B>
   tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, th);
 }
 
-template <int B>
+template <typename OT, int B>
 [[kernel]] void tq_dequantize(
     const device uint* codes [[buffer(0)]],
     const device half* scales [[buffer(1)]],
     const device float* cent [[buffer(2)]],
-    device float* out [[buffer(3)]],
+    device OT* out [[buffer(3)]],
     constant TQDequantParams& p [[buffer(4)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -1108,7 +1114,7 @@ template <int B>
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[16];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_dequantize_impl<B>(codes, scales, cent, out, p, smem, th);
+  tq_dequantize_impl<OT, B>(codes, scales, cent, out, p, smem, th);
 }
 
 template <typename T>

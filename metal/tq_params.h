@@ -137,7 +137,8 @@ struct TQQuantParams {
   TQRotation rot; // rot.on: x is in model space, the kernel rotates it first
 };
 
-/// Dequantize tokens [start, start + length) to float32 (batch, heads, length, D).
+/// Dequantize tokens [start, start + length) into slots [before, before + length) of
+/// out (batch, heads, out_tokens, D); the other slots are zero.
 struct TQDequantParams {
   int64_t c_stride[3]; // codes: batch, head, token (words)
   int64_t s_stride[3]; // scales: batch, head, token
@@ -146,6 +147,8 @@ struct TQDequantParams {
   int start;
   int length;
   int head_dim;
+  int before; // first output slot of the decoded tokens
+  int out_tokens; // output slots per head: before + length + after
 };
 
 /// Strided gather of up to 4 axes into a row-contiguous buffer, or (dst_strided) into

@@ -3,7 +3,7 @@
 //   tq_attention_<float32|float16|bfloat16>_d<D>_k<key bits>_v<value bits>
 //   tq_attention_merge_<float32|float16|bfloat16>_d<D>
 //   tq_quantize_<float32|float16|bfloat16>_d<D>_b<bits>
-//   tq_dequantize_b<bits>
+//   tq_dequantize_<float32|float16|bfloat16>_b<bits>
 //   tq_copy_u32, tq_copy_u16
 // D runs over the head dims the kernels support: multiples of 32 from 32 to 256.
 
@@ -58,8 +58,13 @@ TQ_PER_DIM(192)
 TQ_PER_DIM(224)
 TQ_PER_DIM(256)
 
-TQ_INSTANTIATE("tq_dequantize_b2", tq_dequantize, 2)
-TQ_INSTANTIATE("tq_dequantize_b3", tq_dequantize, 3)
-TQ_INSTANTIATE("tq_dequantize_b4", tq_dequantize, 4)
+#define TQ_DEQUANT_O(oname, otype)                                          \
+  TQ_INSTANTIATE("tq_dequantize_" #oname "_b2", tq_dequantize, otype, 2) \
+  TQ_INSTANTIATE("tq_dequantize_" #oname "_b3", tq_dequantize, otype, 3) \
+  TQ_INSTANTIATE("tq_dequantize_" #oname "_b4", tq_dequantize, otype, 4)
+
+TQ_DEQUANT_O(float32, float)
+TQ_DEQUANT_O(float16, half)
+TQ_DEQUANT_O(bfloat16, ushort)
 TQ_INSTANTIATE("tq_copy_u32", tq_copy, uint)
 TQ_INSTANTIATE("tq_copy_u16", tq_copy, ushort)

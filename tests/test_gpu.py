@@ -332,6 +332,15 @@ def test_dequantize_matches_cpu(head_dim, bits):
     got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=gpu())
     want = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=mx.Device(mx.cpu))
     np.testing.assert_array_equal(np.array(got), np.array(want))
+    # The prefill's form: half-precision output with free slots around the tokens.
+    for dtype in (mx.float16, mx.bfloat16):
+        kw = dict(dtype=dtype, before=4, after=37)
+        got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=gpu(), **kw)
+        want = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29,
+                              stream=mx.Device(mx.cpu), **kw)
+        assert got.dtype == dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)))
 
 
 # ---------------------------------------------------------------------------

@@ -622,6 +622,45 @@ def test_dequantize_matches_reference(head_dim, bits):
         np.testing.assert_array_equal(np.array(fb), expected[:, :, start : start + length])
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_into_half_precision_slots(bits, dtype):
+    # The prefill's form: decoded tokens in the model's dtype at slots [before,
+    # before + length) of a larger buffer, zeros around them; the values are the
+    # reference's float32 ones rounded once to dtype (as MLX's astype rounds).
+    rng = np.random.default_rng(bits)
+    batch, heads, capacity, head_dim = 2, 3, 21, 64
+    codes = rng.integers(0, 1 << bits, (batch, heads, capacity, head_dim))
+    scales = rng.uniform(0.0, 40.0, (batch, heads, capacity)).astype(np.float16)
+    c = centroids_np(head_dim, bits)
+    expected = mx.array(reference.dequantize(codes, scales, c)).astype(dtype)
+    codes_mx, scales_mx = mx_cache(reference.pack(codes, bits), scales)
+    for start, length, before, after in ((0, capacity, 0, 0), (5, 7, 3, 11), (2, 0, 4, 1)):
+        for fn in (ops.dequantize, fallback.dequantize):
+            got = fn(codes_mx, scales_mx, mx.array(c), bits, start, length, dtype=dtype,
+                     before=before, after=after)
+            assert got.dtype == dtype
+            assert got.shape == (batch, heads, before + length + after, head_dim)
+            got = np.array(got.astype(mx.float32))
+            np.testing.assert_array_equal(
+                got[:, :, before : before + length],
+                np.array(expected[:, :, start : start + length].astype(mx.float32)))
+            assert not got[:, :, :before].any() and not got[:, :, before + length :].any()
+
+
+def test_dequantize_refuses_bad_output_arguments():
+    rng = np.random.default_rng(0)
+    words, scales, _ = reference_cache(rng, 1, 2, 8, 8, 64, 4)
+    c = mx.array(centroids_np(64, 4))
+    args = (mx.array(words), mx.array(scales), c, 4, 0, 8)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\].*dtype.*int32"):
+        ops.dequantize(*args, dtype=mx.int32)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\].*before -1"):
+        ops.dequantize(*args, before=-1)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\].*after -2"):
+        ops.dequantize(*args, after=-2)
+
+
 def test_dequantize_window_ignores_poison_and_strided_buffers():
     rng = np.random.default_rng(5)
     batch, heads, capacity, length, head_dim, bits = 2, 4, 40, 23, 128, 3

@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <vector>
+
 #include "mlx/backend/cpu/encoder.h"
 
 #include "cpu/codec.h"
@@ -24,33 +27,50 @@ void dequantize(
   encoder.set_output_array(out);
 
   int bh_count = codes.shape(0) * codes.shape(1);
-  int capacity = codes.shape(2), words = codes.shape(3), head_dim = out.shape(3);
-  encoder.dispatch([codes_ptr = codes.data<uint32_t>(),
-                    scales_ptr = scales.data<mx::float16_t>(),
-                    c_ptr = centroids.data<float>(),
-                    out_ptr = out.data<float>(),
-                    bits = prim.bits(),
-                    start = prim.start(),
-                    length = prim.length(),
-                    bh_count,
-                    capacity,
-                    words,
-                    head_dim]() {
-    dispatch_bits(bits, [&]<int BITS>() {
-      Decoder<BITS> decoder(c_ptr);
-      parallel_for(bh_count, [&](int bh) {
-        for (int t = 0; t < length; ++t) {
-          int64_t slot = static_cast<int64_t>(bh) * capacity + start + t;
-          float* o = out_ptr + (static_cast<int64_t>(bh) * length + t) * head_dim;
-          decoder.decode(codes_ptr + slot * words, head_dim, o);
-          float gamma = static_cast<float>(scales_ptr[slot]);
-          for (int i = 0; i < head_dim; ++i) {
-            o[i] *= gamma;
+  int capacity = codes.shape(2), words = codes.shape(3);
+  int slots = out.shape(2), head_dim = out.shape(3);
+  auto run = [&]<typename OT>(OT* out_ptr) {
+    encoder.dispatch([codes_ptr = codes.data<uint32_t>(),
+                      scales_ptr = scales.data<mx::float16_t>(),
+                      c_ptr = centroids.data<float>(),
+                      out_ptr,
+                      bits = prim.bits(),
+                      start = prim.start(),
+                      length = prim.length(),
+                      before = prim.before(),
+                      bh_count,
+                      capacity,
+                      words,
+                      slots,
+                      head_dim]() {
+      dispatch_bits(bits, [&]<int BITS>() {
+        Decoder<BITS> decoder(c_ptr);
+        parallel_for(bh_count, [&](int bh) {
+          OT* head = out_ptr + static_cast<int64_t>(bh) * slots * head_dim;
+          std::fill(head, head + static_cast<int64_t>(before) * head_dim, OT(0.0f));
+          std::fill(
+              head + static_cast<int64_t>(before + length) * head_dim,
+              head + static_cast<int64_t>(slots) * head_dim,
+              OT(0.0f));
+          std::vector<float> row(head_dim);
+          for (int t = 0; t < length; ++t) {
+            int64_t slot = static_cast<int64_t>(bh) * capacity + start + t;
+            decoder.decode(codes_ptr + slot * words, head_dim, row.data());
+            float gamma = static_cast<float>(scales_ptr[slot]);
+            OT* o = head + static_cast<int64_t>(before + t) * head_dim;
+            for (int i = 0; i < head_dim; ++i) {
+              o[i] = static_cast<OT>(row[i] * gamma);
+            }
           }
-        }
+        });
       });
     });
-  });
+  };
+  switch (out.dtype()) {
+    case mx::float16: run(out.data<mx::float16_t>()); break;
+    case mx::bfloat16: run(out.data<mx::bfloat16_t>()); break;
+    default: run(out.data<float>()); break;
+  }
 }
 
 } // namespace turboquant_mlx::cpu

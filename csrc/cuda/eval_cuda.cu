@@ -928,11 +928,13 @@ void dequantize(
   p.start = prim.start();
   p.length = prim.length();
   p.head_dim = out.shape(3);
+  p.before = prim.before();
+  p.out_tokens = out.shape(2);
   const int64_t total = int64_t(out.size());
   if (total == 0) {
     return;
   }
-  auto f = get_function(ck::dequantize_kernel(prim.bits()), "dequantize");
+  auto f = get_function(ck::dequantize_kernel(prim.bits(), qtype_of(out.dtype())), "dequantize");
   enc.set_input_array(codes);
   enc.set_input_array(scales);
   enc.set_input_array(cent);
@@ -940,7 +942,7 @@ void dequantize(
   const unsigned int* cp = cptr<unsigned int>(codes);
   const void* sp = mx::gpu_ptr<void>(scales);
   const float* tp = cptr<float>(cent);
-  float* outp = mptr<float>(out);
+  void* outp = mptr<void>(out);
   dim3 grid(static_cast<unsigned>((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS));
   enc.add_kernel_node_ex(f, grid, dim3(TQ_DEQUANT_THREADS), dim3(), 0u, cp, sp, tp, outp, p);
 }

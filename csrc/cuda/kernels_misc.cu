@@ -42,10 +42,18 @@ const void* quantize_kernel(int d, int b, QType x, bool pair) {
   return k;
 }
 
-const void* dequantize_kernel(int b) {
+const void* dequantize_kernel(int b, QType out) {
   const void* k = nullptr;
   dispatch_bits(b, [&](auto bb) {
-    k = reinterpret_cast<const void*>(&tq_dequantize_kernel<decltype(bb)::value>);
+    constexpr int B = decltype(bb)::value;
+    auto pick = [&](auto ot) {
+      k = reinterpret_cast<const void*>(&tq_dequantize_kernel<decltype(ot), B>);
+    };
+    switch (out) {
+      case QType::Float32: pick(0.0f); break;
+      case QType::Float16: pick(__half{}); break;
+      case QType::BFloat16: pick(static_cast<unsigned short>(0)); break;
+    }
   });
   return k;
 }

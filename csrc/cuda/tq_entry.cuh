@@ -68,15 +68,15 @@ __global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_kernel(
   tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, tq_thread());
 }
 
-template <int B>
+template <typename OT, int B>
 __global__ void __launch_bounds__(TQ_DEQUANT_THREADS) tq_dequantize_kernel(
     const unsigned int* __restrict__ codes,
     const __half* __restrict__ scales,
     const float* __restrict__ cent,
-    float* __restrict__ out,
+    OT* __restrict__ out,
     const __grid_constant__ TQDequantParams p) {
   __shared__ float smem[16];
-  tq_dequantize_impl<B>(codes, scales, cent, out, p, smem, tq_thread());
+  tq_dequantize_impl<OT, B>(codes, scales, cent, out, p, smem, tq_thread());
 }
 
 template <typename T>
@@ -148,7 +148,8 @@ const void* attention_merge_kernel(int d, QType q, bool out_in_q_type = false);
 /// The quantize kernel for head dim d, b bits, inputs of type x; with `pair`, the one
 /// that writes a layer's keys and values in one launch (tq_quantize_pair_kernel).
 const void* quantize_kernel(int d, int b, QType x, bool pair = false);
-const void* dequantize_kernel(int b);
+/// The dequantize kernel for b bits writing elements of type `out`.
+const void* dequantize_kernel(int b, QType out);
 /// The copy kernel for elements of `itemsize` bytes; with `pair`, the one that copies a
 /// layer's keys and values in one launch (tq_copy_pair_kernel).
 const void* copy_kernel(int itemsize, bool pair = false);

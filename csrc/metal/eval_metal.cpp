@@ -444,12 +444,14 @@ void dequantize(
   p.start = prim.start();
   p.length = prim.length();
   p.head_dim = out.shape(3);
+  p.before = prim.before();
+  p.out_tokens = out.shape(2);
   const int64_t total = int64_t(out.size());
   if (total == 0) {
     return;
   }
   std::ostringstream name;
-  name << "tq_dequantize_b" << prim.bits();
+  name << "tq_dequantize_" << type_name(out.dtype()) << "_b" << prim.bits();
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
   enc.set_input_array(codes, 0);

@@ -52,14 +52,16 @@ are part of the state.
 Attention combines the three segments with their log-sum-exp
 (:func:`~turboquant_mlx.attention.merge_attention`). Decode and verification
 (``L <= 8`` queries) run :func:`~turboquant_mlx.ops.compressed_attention` on the
-compressed segment. Prefill (``L > 8``) dequantizes the compressed segment one
-key block at a time, sized by ``prefill_budget_bytes``, and merges the blocks
-online, so the temporary never holds more than a block of dequantized keys and
-values (no full-precision copy of the cache). Decode and verification queries
-see every token through the stored (quantized or fp16) representation, as a
-generated token does. The queries of a prefill block see the block itself as it
-arrived (the caller holds it for the call anyway), and every older token as
-stored: prompt processing is then never worse than what decoding sees.
+compressed segment. Prefill (``L > 8``) decodes the compressed segment once, in the
+model's dtype and in code space, into one buffer of the layer's keys and one of its
+values that also take the fp16 segments (transformed as the codec transforms what it
+quantizes), and runs MLX's fused attention on them with the queries in code space
+(:meth:`TurboQuantKVCache._attend_prefill`): the temporary is one layer's keys and
+values, freed before the next layer, never a full-precision copy of the cache. Decode
+and verification queries see every token through the stored (quantized or fp16)
+representation, as a generated token does. The queries of a prefill block see the
+block itself as it arrived (the caller holds it for the call anyway), and every older
+token as stored: prompt processing is then never worse than what decoding sees.
 
 :func:`make_prompt_cache` builds a model's caches with mlx-lm's own factory and
 replaces only plain full-attention ``KVCache`` entries: linear-attention state
@@ -322,8 +324,9 @@ class TurboQuantKVCache(_BaseCache):
             unquantized (0: quantize every token on arrival).
         rollback_tokens: Extra unquantized tokens kept behind the window so that a
             ``trim`` of up to this many tokens is exact (only used with a window).
-        prefill_budget_bytes: Target size of the temporaries of one prefill
-            attention call (scores of one key block); default 256 MiB.
+        prefill_budget_bytes: Where MLX's attention has no fused kernel for a
+            prefill (the CPU; see :meth:`_attend_prefill`), the most bytes of scores
+            one chunk of queries may materialize; default 256 MiB.
         window_dtype: Storage dtype of the unquantized tokens (sinks, window).
             Default: the keys' dtype if it is float16 or bfloat16, else float16.
             Incoming keys and values are rounded to it on arrival, so the cache
@@ -358,7 +361,6 @@ class TurboQuantKVCache(_BaseCache):
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
     default_prefill_budget_bytes = 256 << 20
-    prefill_min_block = 256  # smallest key block (tokens) of the prefill path
 
     def __init__(
         self,
@@ -1063,6 +1065,11 @@ class TurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} mask covers {mask.shape[-1]} keys but the cache holds "
                 f"{self.offset} tokens."
             )
+        elif mask is not None and mask.ndim >= 2 and mask.shape[-2] not in (1, L):
+            raise ValueError(
+                f"{_PREFIX} mask {tuple(mask.shape)} has {mask.shape[-2]} queries for a "
+                f"block of {L} queries."
+            )
         if not self._calibrated:
             self._observe_queries(queries)
             if self._held_tokens() >= self.calibration_tokens:
@@ -1222,7 +1229,9 @@ class TurboQuantKVCache(_BaseCache):
         """``(out, lse)`` of fewer compressed tokens than queries (the op needs
         ``kv_len >= L``): a few tokens only, attended to dequantized."""
         L = queries.shape[2]
-        k, v = self._dequantized_rotated(0, c)
+        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits, 0, c)
+        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
+                           0, c)
         out, lse = dense_attention(
             self._compressed_queries(queries), k, v, scale,
             self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L),
@@ -1445,42 +1454,120 @@ class TurboQuantKVCache(_BaseCache):
         signs, matrix, rot_scale, _, mu_v = self._model_space_args()
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)
 
-    def _block_sizes(self, B, n_q, L):
-        """Query chunk and key block (tokens) that keep the scores within budget."""
-        per_pair = B * n_q * 4 * 3  # float32 scores, exponentials, probabilities
-        min_block = self.prefill_min_block
-        q_chunk = max(16, self.prefill_budget_bytes // (per_pair * min_block))
-        q_chunk = min(L, q_chunk)
-        block = self.prefill_budget_bytes // (per_pair * q_chunk)
-        block = max(min_block, min(1 << 16, block)) // min_block * min_block
-        return q_chunk, block
-
     def _attend_prefill(self, queries, scale, mask, sinks):
-        B, n_q, L, D = queries.shape
-        q_chunk, block = self._block_sizes(B, n_q, L)
-        outs = []
-        for a in range(0, L, q_chunk):
-            q = queries[:, :, a : a + q_chunk]
-            m = mask
-            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L and q_chunk < L:
-                m = mask[..., a : a + q_chunk, :]
-            outs.append(self._attend_chunk(q, self.offset - L + a, scale, m, sinks, block))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        """Attention of a block of more than ``decode_max_queries`` queries (prompt
+        processing): MLX's fused attention over every cached token, in code space.
 
-    def _dequantized_rotated(self, start, length):
-        """Keys and values of compressed tokens ``[start, start+length)``, rotated, float32."""
-        k = ops.dequantize(
-            self._k_codes, self._k_scales, self._k_centroids, self.key_bits, start, length
-        )
-        v = ops.dequantize(
-            self._v_codes, self._v_scales, self._v_centroids, self.value_bits, start, length
-        )
-        return k, v
+        The compressed tokens are decoded once, straight into the model's dtype, into
+        one buffer of the layer's keys and one of its values that also holds the fp16
+        tokens (sinks, window, the block as it arrived) transformed as the codec
+        transforms what it quantizes (centered, scaled, rotated: see
+        :meth:`_prefill_operands`); the queries go to code space as a decode step's do.
+        Centering shifts every score of a query by the same amount, so one softmax
+        covers every segment, and the output comes back with the value rotation undone
+        and the mean added. Per layer, the temporary is that one buffer pair: never a
+        full-precision copy of the whole cache.
+
+        Where MLX's attention has no fused kernel for the shapes (the CPU always, head
+        dims or dtypes a GPU kernel does not take), it materializes the scores, and the
+        queries go in chunks whose scores stay within ``prefill_budget_bytes``.
+        """
+        B, n_q, L, _ = queries.shape
+        q, k, v, centered = self._prefill_operands(queries, uncentered=sinks is not None)
+        N = k.shape[2]
+        first = self.offset - L  # position of the first query
+        causal = isinstance(mask, str)
+        if sinks is not None:
+            sinks = sinks.astype(q.dtype)  # MLX's attention takes them in the output's type
+
+        def attend(a, b, force_fused=False):
+            # Keys before the chunk's last query suffice for a causal chunk; MLX's causal
+            # mask is aligned at the last key, the chunk's last position.
+            n = first + b if causal else N
+            m = mask
+            if isinstance(mask, mx.array):
+                m = mask[..., a:b, :n] if mask.ndim >= 2 and mask.shape[-2] == L else mask[..., :n]
+            qa = q if (a, b) == (0, L) else q[:, :, a:b]
+            ka, va = (k, v) if n == N else (k[:, :, :n], v[:, :, :n])
+            return mx.fast.scaled_dot_product_attention(
+                qa, ka, va, scale=scale, mask=m, sinks=sinks, force_fused=force_fused
+            )
+
+        try:
+            out = attend(0, L, force_fused=True)
+        except ValueError:  # no fused kernel: scores are materialized, chunk the queries
+            per_query = B * n_q * N * 4 * 3  # float32 scores, exponentials, probabilities
+            chunk = max(1, min(L, self.prefill_budget_bytes // per_query))
+            outs = [attend(a, min(a + chunk, L)) for a in range(0, L, chunk)]
+            out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        signs, matrix, rot_scale, _, mu_v = self._model_space_args()
+        return _tail_decode_output(out, signs, matrix, rot_scale, mu_v if centered else None,
+                                   queries)
+
+    def _prefill_operands(self, queries, uncentered=False):
+        """``(q, k, v, centered)`` of a prefill attention call, in the queries' dtype.
+
+        ``q``: the queries in code space (divided by ``a``, rotated). ``k``/``v``
+        ``(B, H_kv, offset, D)``: every cached token in position order, the compressed
+        ones decoded as stored and the fp16 segments transformed as the codec would
+        transform them before quantizing. ``centered``: whether the values are centered
+        (the output then needs ``+ mu_v``). With ``uncentered`` the means are added
+        back to ``k``/``v`` and ``centered`` is False: with attention-sink logits the
+        softmax is not invariant to the centering's score shift (the sink's logit does
+        not shift).
+        """
+        dtype = queries.dtype
+        S = self.fp16_sink_tokens
+        _, c, _ = self._layout()
+        n_comp = max(0, min(c, self._exact_from() - S))
+        segments = self._dense_segments(self.offset)
+        signs, matrix, rot_scale = self._rotation.params()
+        q = _queries_to_codes(queries, self._key_scale, signs, matrix, rot_scale, True)
+
+        def code_space(segs):
+            if not segs:
+                return None, None
+            k = segs[0][0] if len(segs) == 1 else mx.concatenate([s[0] for s in segs], axis=2)
+            v = segs[0][1] if len(segs) == 1 else mx.concatenate([s[1] for s in segs], axis=2)
+            k, v = _to_code_space(k, v, self._mu_k, self._mu_v, self._key_scale, signs, matrix,
+                                  rot_scale, self.rotate_values)
+            return k.astype(dtype), v.astype(dtype)
+
+        if n_comp == 0:
+            k, v = code_space(segments)
+        else:
+            # Sinks before the compressed tokens, window and fresh block after them: the
+            # kernel leaves their slots free and they are written in place.
+            before_k, before_v = code_space([g for g in segments if g[2] < S])
+            after_k, after_v = code_space([g for g in segments if g[2] >= S])
+            nb = 0 if before_k is None else before_k.shape[2]
+            na = 0 if after_k is None else after_k.shape[2]
+            k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
+                               0, n_comp, dtype=dtype, before=nb, after=na)
+            v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
+                               self.value_bits, 0, n_comp, dtype=dtype, before=nb, after=na)
+            if nb:
+                k[:, :, :nb] = before_k
+                v[:, :, :nb] = before_v
+            if na:
+                k[:, :, nb + n_comp :] = after_k
+                v[:, :, nb + n_comp :] = after_v
+        centered = self._mu_k is not None
+        if centered and uncentered:
+            mu_k, mu_v = _to_code_space(self._mu_k, self._mu_v, None, None, self._key_scale,
+                                        signs, matrix, rot_scale, self.rotate_values)
+            k = (k + mu_k).astype(dtype)
+            v = (v + mu_v).astype(dtype)
+            centered = False
+        return q, k, v, centered
 
     def _dequantized(self, start, length, dtype):
         """Keys and values of compressed tokens ``[start, start+length)`` in the model's
         space (unrotated, unscaled, mean added back)."""
-        k, v = self._dequantized_rotated(start, length)
+        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
+                           start, length)
+        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
+                           start, length)
         k = self._rotation.inverse(k)
         if self.rotate_values:
             v = self._rotation.inverse(v)
@@ -1490,56 +1577,6 @@ class TurboQuantKVCache(_BaseCache):
             k = k + self._mu_k
             v = v + self._mu_v
         return k.astype(dtype), v.astype(dtype)
-
-    def _attend_chunk(self, q, q0, scale, mask, sinks, block):
-        """Attention of queries at positions ``[q0, q0+Lq)`` (prefill path)."""
-        Lq = q.shape[2]
-        S = self.fp16_sink_tokens
-        ns, c, wpos = self._layout()
-        # Causal queries never see keys after the chunk's last position.
-        key_end = q0 + Lq if isinstance(mask, str) else self.offset
-        # Compressed tokens from the fresh block on are read from the block itself.
-        n_comp = max(0, min(c, key_end - S, self._exact_from() - S))
-
-        if key_end <= block:
-            # Everything fits one block: let MLX's attention run on the whole layer
-            # (fused on the GPU). The temporary is this layer's dequantized prefix.
-            segments = self._dense_segments(key_end)
-            ks = [k for k, _, p0, _ in segments if p0 < S]
-            vs = [v for _, v, p0, _ in segments if p0 < S]
-            if n_comp:
-                k, v = self._dequantized(0, n_comp, q.dtype)
-                ks.append(k)
-                vs.append(v)
-            ks += [k for k, _, p0, _ in segments if p0 >= S]
-            vs += [v for _, v, p0, _ in segments if p0 >= S]
-            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-            m = mask
-            if isinstance(mask, mx.array):
-                m = mask[..., :key_end]
-            return mx.fast.scaled_dot_product_attention(
-                q, k.astype(q.dtype), v.astype(q.dtype), scale=scale, mask=m, sinks=sinks
-            )
-
-        parts = self._dense_parts(q, scale, mask, q0, key_end)
-        if n_comp:
-            q_rot = self._compressed_queries(q)
-            acc = None
-            for b0 in range(0, n_comp, block):
-                n = min(block, n_comp - b0)
-                k, v = self._dequantized_rotated(b0, n)
-                part = dense_attention(q_rot, k, v, scale, self._segment_mask(mask, S + b0, n, q0, Lq))
-                acc = part if acc is None else merge_two(acc, part)
-                if n_comp > block:
-                    # MLX schedules ready operations breadth first: left lazy, every
-                    # block's dequantization would run before the first merge and the
-                    # temporaries would add up to a full-precision copy of the layer.
-                    mx.eval(acc)
-            parts.append(self._compressed_result(acc[0], acc[1], q, scale))
-        if sinks is not None:
-            parts.append(self._sink_part(sinks, q))
-        return merge_attention(parts)[0]
 
     def dequantized_keys_values(self, dtype=None) -> Tuple[mx.array, mx.array]:
         """All cached keys and values ``(B, H_kv, offset, D)`` in position order, as

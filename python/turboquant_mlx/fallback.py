@@ -134,13 +134,18 @@ def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int):
     return codes, scales
 
 
-def dequantize(codes, scales, centroids, bits: int, start: int, length: int):
-    """Rotated-space float32 vectors (B, H, length, D) of tokens [start, start+length)."""
+def dequantize(codes, scales, centroids, bits: int, start: int, length: int,
+               dtype=mx.float32, before: int = 0, after: int = 0):
+    """Rotated-space vectors of tokens [start, start+length) in ``dtype``, at slots
+    [before, before+length) of (B, H, before+length+after, D), zeros elsewhere."""
     head_dim = codes.shape[-1] * 32 // bits
     words = codes[:, :, start : start + length, :]
     idx = unpack(words, bits, head_dim)
     values = centroids.astype(mx.float32)[idx]
-    return values * scales[:, :, start : start + length, None].astype(mx.float32)
+    out = (values * scales[:, :, start : start + length, None].astype(mx.float32)).astype(dtype)
+    if before or after:
+        out = mx.pad(out, [(0, 0), (0, 0), (before, after), (0, 0)])
+    return out
 
 
 def compressed_attention(

@@ -326,12 +326,21 @@ def compressed_attention(
         return (out if out_dtype is None else out.astype(out_dtype)), lse
 
 
-def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *, stream=None):
-    """Rotated-space float32 vectors ``(B, H, length, D)`` of tokens ``[start, start+length)``."""
+def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *,
+               dtype=mx.float32, before: int = 0, after: int = 0, stream=None):
+    """Rotated-space vectors of tokens ``[start, start+length)`` in ``dtype``.
+
+    Returns ``(B, H, before + length + after, D)``: the decoded tokens at slots
+    ``[before, before + length)``, zeros elsewhere. The slots around them let a caller
+    add its own tokens with in-place slice updates instead of a concatenation that
+    would copy the decoded tokens again (the prefill's keys and values).
+    """
     if has_kernels(stream):
-        return _ext.dequantize(codes, scales, centroids, bits, start, length, stream=stream)
+        return _ext.dequantize(codes, scales, centroids, bits, start, length, dtype=dtype,
+                               before=before, after=after, stream=stream)
     with mx.stream(stream) if stream is not None else _nullcontext():
-        return fallback.dequantize(codes, scales, centroids, bits, start, length)
+        return fallback.dequantize(codes, scales, centroids, bits, start, length, dtype,
+                                   before, after)
 
 
 class _nullcontext:
