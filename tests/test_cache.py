@@ -826,6 +826,41 @@ def test_corrupted_or_truncated_file_is_refused(tmp_path):
         load_prompt_cache(str(tmp_path / "missing.safetensors"))
 
 
+_IMPORT_ORDERS = {
+    "mlx_lm first": "from mlx_lm.models import cache as mlx_cache\nimport turboquant_mlx\n",
+    "turboquant_mlx first": "import turboquant_mlx\nfrom mlx_lm.models import cache as mlx_cache\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_importing_the_package_lets_mlx_lm_load_the_file(tmp_path, order):
+    # `import turboquant_mlx` alone (not turboquant_mlx.cache) registers the class name
+    # with mlx-lm, whichever of the two is imported first.
+    import json
+    import os
+    import subprocess
+
+    import turboquant_mlx
+
+    cache = _mixed_cache(np.random.default_rng(10))
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    script = _IMPORT_ORDERS[order] + (
+        "import json, sys\n"
+        "assert 'turboquant_mlx.cache' not in sys.modules\n"
+        "caches = mlx_cache.load_prompt_cache(sys.argv[1])\n"
+        "print(json.dumps([[type(c).__module__, type(c).__name__, c.offset] for c in caches]))\n"
+    )
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(turboquant_mlx.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == [[type(c).__module__, type(c).__name__, c.offset] for c in cache]
+
+
 # ---------------------------------------------------------------------------
 # presets and factory
 

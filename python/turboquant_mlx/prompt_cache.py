@@ -5,7 +5,7 @@
 The file is an ordinary mlx-lm prompt-cache file (``.safetensors``: every cache's
 ``state`` flattened, scalars stored as arrays, and the metadata list
 ``[user metadata, class names, scalar kinds]``), so ``mlx_lm``'s own
-``load_prompt_cache`` reads it once :mod:`turboquant_mlx.cache` is imported (that
+``load_prompt_cache`` reads it once :mod:`turboquant_mlx` is imported (that
 registers the class name with mlx-lm). In addition the user metadata carries
 
 * ``tq_format``: the format tag of this module, and
