@@ -71,6 +71,7 @@ import collections
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -81,7 +82,9 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import codebook, ops
 from .ops import MAX_TAIL_TOKENS
-from .attention import dense_attention, install_hook, merge_attention, merge_two, module_uses_hook
+from .attention import (
+    dense_attention, ensure_hook, install_hook, merge_attention, merge_two, module_uses_hook,
+)
 from .rotation import Rotation, rotate_forward, rotate_inverse
 
 __all__ = [
@@ -718,6 +721,9 @@ class TurboQuantKVCache(_BaseCache):
         goes through :meth:`attention` (the hook calls it), which reads the
         compressed storage.
         """
+        # The attention that follows must be the hook's (see ensure_hook), whoever made
+        # this cache: mlx-lm's own would see only the tokens returned here.
+        ensure_hook(sys._getframe(1).f_globals)
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"{_PREFIX} update_and_fetch expects keys and values (B, H, L, D) with equal "

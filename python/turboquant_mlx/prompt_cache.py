@@ -15,6 +15,9 @@ registers the class name with mlx-lm). In addition the user metadata carries
 so :func:`load_prompt_cache` refuses a truncated or altered file with a clear
 error instead of generating from garbage. The round trip is exact: codes, scales,
 fp16 windows, offsets, bit widths and seeds come back bit for bit.
+
+A loaded cache needs no :func:`~turboquant_mlx.attention.install_hook` call: a
+TurboQuant cache installs the hook itself whenever it is missing, in ``update_and_fetch``.
 """
 
 import hashlib
