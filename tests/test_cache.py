@@ -702,6 +702,29 @@ def test_empty_state_round_trip_and_bad_states():
             TurboQuantKVCache.from_state(bad)
 
 
+def test_refused_state_leaves_the_cache_unchanged():
+    rng = np.random.default_rng(14)
+    cache, _, _ = _filled(rng, [30, 1], fp16_sink_tokens=2, fp16_recent_tokens=5)
+    twin = copy.deepcopy(cache)
+    other, _, _ = _filled(rng, [20], key_bits=3, value_bits=2, seed=9, fp16_recent_tokens=4,
+                          center=True)
+    for i, value in ((7, other.state[7][:, :, 1:]),  # its window values one token short
+                     (12 + 9, 99)):  # window_start past the offset
+        bad = list(other.state)
+        bad[i] = value
+        with pytest.raises(ValueError, match="inconsistent"):
+            cache.state = bad
+        assert cache._config_values() == twin._config_values()
+        for x, y in zip(cache._state_arrays(), twin._state_arrays()):
+            assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y)
+    # ... and it goes on as its twin does.
+    for n in (1, 12):
+        k, v, q = _rand(rng, (1, 2, n, 64)), _rand(rng, (1, 2, n, 64)), _rand(rng, (1, 4, n, 64))
+        for c in (cache, twin):
+            c.update_and_fetch(k, v)
+        assert mx.array_equal(cache.attention(q, 0.1, "causal"), twin.attention(q, 0.1, "causal"))
+
+
 def test_levers_calibrate_at_update_without_queries():
     # No attention call between updates (no hook): the update that finds
     # calibration_tokens held tokens calibrates; without queries there is no key scale.

@@ -68,6 +68,7 @@ layers are kept as they are.
 """
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -1722,6 +1723,11 @@ class TurboQuantKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
+        # A refused state (ValueError) leaves the cache as it was.
+        with self._unchanged_on_error():
+            self._set_state(v)
+
+    def _set_state(self, v):
         if not hasattr(self, "prefill_budget_bytes"):
             self._init_runtime()
         v = list(v)
@@ -1752,12 +1758,26 @@ class TurboQuantKVCache(_BaseCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        if not hasattr(self, "prefill_budget_bytes"):
-            self._init_runtime()
-        self._apply_config(v)
-        if self._pending_arrays is not None:
-            arrays, self._pending_arrays = self._pending_arrays, None
-            self._set_arrays(arrays)
+        with self._unchanged_on_error():
+            if not hasattr(self, "prefill_budget_bytes"):
+                self._init_runtime()
+            self._apply_config(v)
+            if self._pending_arrays is not None:
+                arrays, self._pending_arrays = self._pending_arrays, None
+                self._set_arrays(arrays)
+
+    @contextlib.contextmanager
+    def _unchanged_on_error(self):
+        """Restores every attribute of the cache if the block raises: setting a state
+        configures the cache before its arrays are checked against that configuration.
+        (The attributes are replaced, never mutated in place, by the state setters.)"""
+        saved = dict(self.__dict__)
+        try:
+            yield
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
 
     def _apply_config(self, values):
         values = list(values)
