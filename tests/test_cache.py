@@ -785,6 +785,29 @@ def test_empty_state_round_trip_and_bad_states():
             TurboQuantKVCache.from_state(bad)
 
 
+def test_refused_state_leaves_the_cache_unchanged():
+    rng = np.random.default_rng(14)
+    cache, _, _ = _filled(rng, [30, 1], fp16_sink_tokens=2, fp16_recent_tokens=5)
+    twin = copy.deepcopy(cache)
+    other, _, _ = _filled(rng, [20], key_bits=3, value_bits=2, seed=9, fp16_recent_tokens=4,
+                          center=True)
+    for i, value in ((7, other.state[7][:, :, 1:]),  # its window values one token short
+                     (12 + 9, 99)):  # window_start past the offset
+        bad = list(other.state)
+        bad[i] = value
+        with pytest.raises(ValueError, match="inconsistent"):
+            cache.state = bad
+        assert cache._config_values() == twin._config_values()
+        for x, y in zip(cache._state_arrays(), twin._state_arrays()):
+            assert x.dtype == y.dtype and x.shape == y.shape and mx.array_equal(x, y)
+    # ... and it goes on as its twin does.
+    for n in (1, 12):
+        k, v, q = _rand(rng, (1, 2, n, 64)), _rand(rng, (1, 2, n, 64)), _rand(rng, (1, 4, n, 64))
+        for c in (cache, twin):
+            c.update_and_fetch(k, v)
+        assert mx.array_equal(cache.attention(q, 0.1, "causal"), twin.attention(q, 0.1, "causal"))
+
+
 def test_levers_calibrate_at_update_without_queries():
     # No attention call between updates (no hook): the update that finds
     # calibration_tokens held tokens calibrates; without queries there is no key scale.
@@ -907,6 +930,140 @@ def test_corrupted_or_truncated_file_is_refused(tmp_path):
         load_prompt_cache(write(data[:8] + altered.encode() + data[8 + header_len :]))
     with pytest.raises(FileNotFoundError):
         load_prompt_cache(str(tmp_path / "missing.safetensors"))
+
+
+_IMPORT_ORDERS = {
+    "mlx_lm first": "from mlx_lm.models import cache as mlx_cache\nimport turboquant_mlx\n",
+    "turboquant_mlx first": "import turboquant_mlx\nfrom mlx_lm.models import cache as mlx_cache\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_importing_the_package_lets_mlx_lm_load_the_file(tmp_path, order):
+    # `import turboquant_mlx` alone (not turboquant_mlx.cache) registers the class name
+    # with mlx-lm, whichever of the two is imported first.
+    import json
+    import os
+    import subprocess
+
+    import turboquant_mlx
+
+    cache = _mixed_cache(np.random.default_rng(10))
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    script = _IMPORT_ORDERS[order] + (
+        "import json, sys\n"
+        "assert 'turboquant_mlx.cache' not in sys.modules\n"
+        "caches = mlx_cache.load_prompt_cache(sys.argv[1])\n"
+        "print(json.dumps([[type(c).__module__, type(c).__name__, c.offset] for c in caches]))\n"
+    )
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(turboquant_mlx.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == [[type(c).__module__, type(c).__name__, c.offset] for c in cache]
+
+
+def _forge(tmp_path, src, arrays=None, meta=None):
+    """A copy of the prompt-cache file ``src`` with arrays and metadata entries replaced
+    (``None`` removes one) and a valid checksum, as anyone can compute it."""
+    from turboquant_mlx import prompt_cache
+
+    a, m = mx.load(src, return_metadata=True)
+    for table, edits in ((a, arrays), (m, meta)):
+        for key, value in (edits or {}).items():
+            if value is None:
+                del table[key]
+            else:
+                table[key] = value(table[key]) if callable(value) else value
+    m[prompt_cache._FLAT_CHECKSUM_KEY] = prompt_cache._checksum(a, m)
+    out = str(tmp_path / "forged.safetensors")
+    mx.save_safetensors(out, a, m)
+    return out
+
+
+def _levered_cache(rng):
+    tq, _, _ = _filled(rng, [40], center=True, query_aware_keys=True, fp16_recent_tokens=4)
+    return [tq]
+
+
+def _extra_first_token(a):
+    return mx.concatenate([a[:, :, :1], a], axis=2)
+
+
+# Cache 0 of _mixed_cache: 2 sinks, a window of 5 (+16 rollback) tokens, all 21 held,
+# 19 compressed tokens, offset 26. State entries: 0-11 arrays, 12 + i configuration
+# value i (7 offset, 9 window_start). Cache 2 is mlx-lm's KVCache.
+FORGED = {
+    "window keys one token longer than values": (
+        _mixed_cache, {"0.7": lambda a: a[:, :, 1:]}, r"cache 0 .*window_keys .*window_values"),
+    "window values in another dtype": (
+        _mixed_cache, {"0.7": lambda a: a.astype(mx.bfloat16)},
+        r"cache 0 .*window_values of dtype"),
+    "sinks in float32, window in float16": (
+        _mixed_cache, {k: lambda a: a.astype(mx.float32) for k in ("0.4", "0.5")},
+        r"cache 0 .*window_keys of dtype"),
+    "key codes one word too wide": (
+        _mixed_cache, {"0.0": lambda a: mx.concatenate([a, a[..., :1]], axis=-1)},
+        r"cache 0 .*k_codes of shape \(1, 2, 19, 9\)"),
+    "window beyond its capacity": (
+        _mixed_cache, {"0.6": _extra_first_token, "0.7": _extra_first_token, "0.21": mx.array(4)},
+        r"cache 0 .*window of 22 tokens .*capacity 21"),
+    "non-integral offset": (
+        _mixed_cache, {"0.19": mx.array(26.5)}, r"cache 0 .*offset is not an integer"),
+    "configuration value out of range": (
+        _mixed_cache, {"0.17": mx.array(2**63 - 1)},
+        r"cache 0 .*fp16_recent_tokens .*out of range"),
+    "kv cache offset beyond its tokens": (
+        _mixed_cache, {"2.2": mx.array(300)}, r"cache 2 \(KVCache\).*offset 300 beyond"),
+    "calibrated centered cache without means": (
+        _levered_cache, {k: mx.array([], dtype=mx.float32) for k in ("0.8", "0.9")},
+        r"cache 0 .*no key_mean"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_forged_state_with_a_valid_checksum_is_refused(tmp_path, case):
+    make, arrays, message = FORGED[case]
+    src = str(tmp_path / "c.safetensors")
+    save_prompt_cache(src, make(np.random.default_rng(11)))
+    load_prompt_cache(src)  # the original loads
+    path = _forge(tmp_path, src, arrays=arrays)
+    with pytest.raises(PromptCacheError, match=message) as err:
+        load_prompt_cache(path)
+    assert "forged.safetensors" in str(err.value)
+
+
+def test_forged_metadata_is_refused_without_building_it(tmp_path):
+    import tracemalloc
+
+    src = str(tmp_path / "c.safetensors")
+    save_prompt_cache(src, _mixed_cache(np.random.default_rng(12)))
+    cases = [
+        # tree_unflatten would build lists of 2e7 (or 1e9) entries for these.
+        (dict(meta={"1.20000000": "KVCache"}), r"cache class indices are not 0\.\.3"),
+        (dict(arrays={"20000000.0": mx.array(1.0)}), r"belongs to cache 20000000, .* 3 caches"),
+        (dict(meta={"1.1000000000": "KVCache"}), r"unexpected metadata key '1\.1000000000'"),
+        (dict(meta={"2.1.0": "0.99"}), r"names array '0\.99'"),
+        (dict(meta={"2.1.1": "pickle"}), r"unknown scalar kind 'pickle'"),
+        (dict(meta={"1.2": "deque"}), r"cache 2: unknown cache class 'deque'"),
+        (dict(arrays={"0.29": mx.array([1.0])}), r"cache 0 .*state of 30 entries"),
+        (dict(arrays={"0.3": None}), r"cache 0 state indices are not 0\.\.27 \(index 3 is missing"),
+        (dict(arrays={"0.12": mx.array([2, 2])}), r"scalar '0\.12' has shape \(2,\)"),
+    ]
+    for edits, message in cases:
+        path = _forge(tmp_path, src, **edits)
+        tracemalloc.start()
+        try:
+            with pytest.raises(PromptCacheError, match=message):
+                load_prompt_cache(path)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, (edits, peak)
 
 
 # ---------------------------------------------------------------------------

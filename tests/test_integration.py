@@ -26,7 +26,12 @@ from lm_helpers import (
     route_reference_attention,
     shadow_caches,
 )
-from turboquant_mlx.attention import hook_installed, install_hook, uninstall_hook
+from turboquant_mlx.attention import (
+    hook_installed,
+    hooked_scaled_dot_product_attention,
+    install_hook,
+    uninstall_hook,
+)
 from turboquant_mlx.cache import PRESETS, TurboQuantKVCache, make_prompt_cache
 
 # Attention outputs inside the model, compressed path vs reference on identical inputs.
@@ -263,3 +268,108 @@ def test_mlx_lm_generate_with_prompt_cache(llama):
     # Continue from the same cache (multi-turn use).
     generate(llama, tokenizer, " again", max_tokens=4, prompt_cache=cache)
     assert cache[0].offset > n
+
+
+# A prompt cache loaded in a new process, by mlx-lm's loader after a bare
+# `import turboquant_mlx` (mlx-lm first imported after it) and by ours after
+# uninstall_hook(): generation without calling install_hook().
+_FRESH_PROCESS = r"""
+import importlib, json, sys
+import mlx.core as mx
+import numpy as np
+
+device, config, weights, cache_file, tail, out = sys.argv[1:]
+mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
+import turboquant_mlx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlx_cache
+from turboquant_mlx.attention import hook_installed
+
+config = json.loads(config)
+module = importlib.import_module("mlx_lm.models." + config["model_type"])
+model = module.Model(module.ModelArgs.from_dict(config))
+model.load_weights(weights)
+model.eval()
+tail = mx.array(json.loads(tail), dtype=mx.int32)
+results = {}
+for name, load in (("mlx_lm", mlx_cache.load_prompt_cache),
+                   ("turboquant", turboquant_mlx.load_prompt_cache)):
+    turboquant_mlx.uninstall_hook()
+    cache = load(cache_file)
+    assert not hook_installed(), name
+    steps = list(generate_step(tail, model, prompt_cache=cache, max_tokens=5))
+    results[name + "_tokens"] = np.array([t for t, _ in steps])
+    results[name + "_logprobs"] = np.stack([np.array(p) for _, p in steps])
+np.savez(out, **results)
+"""
+
+
+def test_prompt_cache_loaded_in_a_fresh_process_without_install_hook(llama, tmp_path, device):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mlx.utils import tree_flatten
+
+    import turboquant_mlx
+    from turboquant_mlx.prompt_cache import save_prompt_cache
+
+    prompt, tail = _tokens(36, seed=6), [5, 17, 101]
+    cache = make_prompt_cache(llama, "tq4")
+    mx.eval(llama(prompt[None], cache=cache))
+    cache_file, weights = str(tmp_path / "c.safetensors"), str(tmp_path / "w.safetensors")
+    save_prompt_cache(cache_file, cache)
+    mx.save_safetensors(weights, dict(tree_flatten(llama.parameters())))
+    # The reference: this process's cache, continued (the hook is installed here).
+    steps = list(generate_step(mx.array(tail), llama, prompt_cache=cache, max_tokens=5))
+    want_tokens = [t for t, _ in steps]
+    want_logprobs = np.stack([np.array(p) for _, p in steps])
+
+    out = str(tmp_path / "out.npz")
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(turboquant_mlx.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    args = ["gpu" if device.type == mx.gpu else "cpu", json.dumps(lm_helpers.CONFIGS["llama"]),
+            weights, cache_file, json.dumps(tail), out]
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = np.load(out)
+    for name in ("mlx_lm", "turboquant"):
+        assert got[name + "_tokens"].tolist() == want_tokens, name
+        np.testing.assert_allclose(got[name + "_logprobs"], want_logprobs, atol=1e-4, err_msg=name)
+
+
+def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama):
+    # After uninstall_hook(), and in a module that bound mlx-lm's original function
+    # where install_hook() does not look (not in sys.modules), a TurboQuant cache still
+    # computes what it computes with the hook.
+    tokens = _tokens(24, seed=8)
+    want = _run(llama, make_prompt_cache(llama, "tq4-nowindow"), tokens, [20, 1, 3])
+    cache = make_prompt_cache(llama, "tq4-nowindow")
+    uninstall_hook()
+    assert not hook_installed()
+    got = _run(llama, cache, tokens, [20, 1, 3])
+    assert hook_installed()
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b)
+
+    uninstall_hook()
+    namespace = {"scaled_dot_product_attention": mlx_base.scaled_dot_product_attention}
+    exec(
+        "def attend(cache, q, k, v):\n"
+        "    k, v = cache.update_and_fetch(k, v)\n"
+        "    return scaled_dot_product_attention(q, k, v, cache=cache, scale=0.125, mask=None)\n",
+        namespace,
+    )
+    install_hook()  # does not see the namespace
+    assert namespace["scaled_dot_product_attention"] is not hooked_scaled_dot_product_attention
+    rng = np.random.default_rng(0)
+    k, v, q = (mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32)) for n in (16, 16, 1))
+    q = mx.concatenate([q, q], axis=1)
+    cache = TurboQuantKVCache(4, 4)
+    out = namespace["attend"](cache, q, k, v)
+    reference = TurboQuantKVCache(4, 4)
+    reference.update_and_fetch(k, v)
+    assert mx.array_equal(out, reference.attention(q, scale=0.125, mask=None))

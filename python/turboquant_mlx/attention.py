@@ -9,6 +9,9 @@ model module imports the name). :func:`install_hook` replaces that function, in
 ``mlx_lm.models.base`` and in every loaded module that imported it, by a wrapper
 that sends a :class:`~turboquant_mlx.cache.TurboQuantKVCache` to
 ``cache.attention(...)`` and calls the original, unchanged, for everything else.
+A TurboQuant cache also installs it itself at each ``update_and_fetch`` where it is
+missing (:func:`ensure_hook`), so that a cache made by hand or loaded from a file
+never meets mlx-lm's own attention, which would see only the new tokens.
 
 The cache splits its keys into segments (fp16 sink tokens, the compressed
 tokens, an fp16 window of recent tokens). Attention over each segment gives a
@@ -30,6 +33,7 @@ import mlx.core as mx
 
 __all__ = [
     "install_hook",
+    "ensure_hook",
     "uninstall_hook",
     "hook_installed",
     "hooked_scaled_dot_product_attention",
@@ -200,8 +204,37 @@ def install_hook() -> List[str]:
         return _patch_modules(_original, hooked_scaled_dot_product_attention)
 
 
+def ensure_hook(namespace: Optional[dict] = None) -> None:
+    """Installs the hook if it is not installed, and routes ``namespace`` through it.
+
+    A :class:`~turboquant_mlx.cache.TurboQuantKVCache` calls this at every
+    ``update_and_fetch`` with the globals of its caller -- for mlx-lm's models, the
+    module whose attention reads the cache next. Without the hook, that attention
+    would run ``mx.fast.scaled_dot_product_attention`` on what ``update_and_fetch``
+    returned (only the new tokens) and silently ignore the cache: this is what makes
+    a cache built by hand, rebuilt from a state or loaded from a file, or used after
+    :func:`uninstall_hook`, compute the same as one from the factory.
+
+    Args:
+        namespace: A module's globals; if its ``scaled_dot_product_attention`` is
+            mlx-lm's original function (a module that :func:`install_hook` did not
+            see), it is replaced by the hook there too.
+    """
+    if _original is None:
+        install_hook()
+    if namespace is not None:
+        fn = namespace.get("scaled_dot_product_attention")
+        if fn is not None and fn is _original and fn is not hooked_scaled_dot_product_attention:
+            with _lock:
+                if namespace.get("scaled_dot_product_attention") is _original:
+                    namespace["scaled_dot_product_attention"] = hooked_scaled_dot_product_attention
+
+
 def uninstall_hook() -> List[str]:
     """Restores mlx-lm's original attention function everywhere it was replaced.
+
+    A :class:`~turboquant_mlx.cache.TurboQuantKVCache` installs the hook again at its
+    next ``update_and_fetch`` (see :func:`ensure_hook`).
 
     Returns:
         Names of the modules restored.

@@ -70,9 +70,11 @@ layers are kept as they are.
 """
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -83,7 +85,9 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import codebook, ops
 from .ops import MAX_TAIL_TOKENS
-from .attention import dense_attention, install_hook, merge_attention, merge_two, module_uses_hook
+from .attention import (
+    dense_attention, ensure_hook, install_hook, merge_attention, merge_two, module_uses_hook,
+)
 from .rotation import Rotation, rotate_forward, rotate_inverse
 
 __all__ = [
@@ -131,6 +135,12 @@ _CONFIG_FIELDS_V1 = _CONFIG_FIELDS[:10]
 # mu_k, mu_v, key_scale, query_energy
 _N_ARRAYS = 12
 _N_ARRAYS_V1 = 8
+_ARRAY_FIELDS = (
+    "k_codes", "k_scales", "v_codes", "v_scales", "sink_keys", "sink_values",
+    "window_keys", "window_values", "key_mean", "value_mean", "key_scale", "query_energy",
+)
+_WINDOW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_MAX_CONFIG_VALUE = 2**62  # configuration integers (counts, seed) of a state
 _ROPE_PAIRINGS = ("none", "half", "interleaved")
 
 
@@ -720,6 +730,9 @@ class TurboQuantKVCache(_BaseCache):
         goes through :meth:`attention` (the hook calls it), which reads the
         compressed storage.
         """
+        # The attention that follows must be the hook's (see ensure_hook), whoever made
+        # this cache: mlx-lm's own would see only the tokens returned here.
+        ensure_hook(sys._getframe(1).f_globals)
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"{_PREFIX} update_and_fetch expects keys and values (B, H, L, D) with equal "
@@ -1747,6 +1760,11 @@ class TurboQuantKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
+        # A refused state (ValueError) leaves the cache as it was.
+        with self._unchanged_on_error():
+            self._set_state(v)
+
+    def _set_state(self, v):
         if not hasattr(self, "prefill_budget_bytes"):
             self._init_runtime()
         v = list(v)
@@ -1777,19 +1795,43 @@ class TurboQuantKVCache(_BaseCache):
 
     @meta_state.setter
     def meta_state(self, v):
-        if not hasattr(self, "prefill_budget_bytes"):
-            self._init_runtime()
-        self._apply_config(v)
-        if self._pending_arrays is not None:
-            arrays, self._pending_arrays = self._pending_arrays, None
-            self._set_arrays(arrays)
+        with self._unchanged_on_error():
+            if not hasattr(self, "prefill_budget_bytes"):
+                self._init_runtime()
+            self._apply_config(v)
+            if self._pending_arrays is not None:
+                arrays, self._pending_arrays = self._pending_arrays, None
+                self._set_arrays(arrays)
+
+    @contextlib.contextmanager
+    def _unchanged_on_error(self):
+        """Restores every attribute of the cache if the block raises: setting a state
+        configures the cache before its arrays are checked against that configuration.
+        (The attributes are replaced, never mutated in place, by the state setters.)"""
+        saved = dict(self.__dict__)
+        try:
+            yield
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
 
     def _apply_config(self, values):
         values = list(values)
-        try:
-            ints = [int(x.item() if isinstance(x, mx.array) else x) for x in values]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{_PREFIX} configuration values must be integers: {e}") from e
+        ints = []
+        for i, x in enumerate(values):
+            name = _CONFIG_FIELDS[i] if i < len(_CONFIG_FIELDS) else f"#{i}"
+            shown = f"an array of shape {tuple(x.shape)}" if isinstance(x, mx.array) else repr(x)
+            try:
+                if isinstance(x, mx.array):
+                    x = x.item()  # (a ValueError unless it has one element)
+                if isinstance(x, (float, np.floating)) and not float(x).is_integer():
+                    raise ValueError(shown)
+                ints.append(int(x))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValueError(
+                    f"{_PREFIX} configuration value {name} must be an integer, got {shown[:80]}."
+                ) from e
         version = ints[0] if ints else None
         fields = {1: _CONFIG_FIELDS_V1, _FORMAT_VERSION: _CONFIG_FIELDS}.get(version)
         if fields is None:
@@ -1803,6 +1845,17 @@ class TurboQuantKVCache(_BaseCache):
                 f"{fields}, got {len(ints)}."
             )
         cfg = dict(zip(fields, ints))
+        for name, value in cfg.items():
+            if not 0 <= value <= _MAX_CONFIG_VALUE:
+                raise ValueError(
+                    f"{_PREFIX} configuration value {name} = {value} is out of range "
+                    f"[0, {_MAX_CONFIG_VALUE}]."
+                )
+        for name in ("center", "query_aware_keys", "calibrated"):
+            if cfg.get(name, 0) not in (0, 1):
+                raise ValueError(
+                    f"{_PREFIX} configuration value {name} must be 0 or 1, got {cfg[name]}."
+                )
         pairing = cfg.get("rope_pairing", 1)
         if not 0 <= pairing < len(_ROPE_PAIRINGS):
             raise ValueError(f"{_PREFIX} unknown rope_pairing code {pairing}.")
@@ -1823,94 +1876,169 @@ class TurboQuantKVCache(_BaseCache):
         self._config_set = True
 
     def _set_arrays(self, arrays):
-        self._drop_code_space()
-        self._buffers_private = False  # the caller's arrays
-        arrays = list(arrays) + [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
-        kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
-            None if _is_empty(a) else a for a in arrays
-        ]
-        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
-        off, n = self.offset, self._n_comp
+        """Checks the state arrays against the configuration (set before), then stores
+        them; on a ValueError nothing is stored."""
+        arrays = list(arrays)
+        if len(arrays) not in (_N_ARRAYS, _N_ARRAYS_V1):
+            raise ValueError(
+                f"{_PREFIX} a state has {_N_ARRAYS} arrays (format 1: {_N_ARRAYS_V1}); "
+                f"got {len(arrays)}."
+            )
+        arrays += [None] * (_N_ARRAYS - len(arrays))  # format 1: no levers
 
         def bad(msg):
             return ValueError(f"{_PREFIX} inconsistent state: {msg}.")
 
-        shapes = [a.shape for a in (kc, sk, wk) if a is not None]
+        for name, a in zip(_ARRAY_FIELDS, arrays):
+            if a is not None and not isinstance(a, mx.array):
+                raise bad(f"{name} is a {type(a).__name__}, not an array")
+        kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe = [
+            None if _is_empty(a) else a for a in arrays
+        ]
+        named = dict(zip(_ARRAY_FIELDS, (kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, ka, qe)))
+        for name, a in named.items():
+            ndim = 3 if name in ("k_scales", "v_scales", "query_energy") else 4
+            if a is not None and a.ndim != ndim:
+                raise bad(f"{name} has shape {tuple(a.shape)}, expected {ndim} dimensions")
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        off, n = self.offset, self._n_comp
+
+        # Lever statistics: (B, H, 1, D) float32 means and key scale, (B, H, D) float32
+        # query energies, present as the configuration and calibration say.
         if (qe is None) != (self._q_count == 0) or (qe is not None and self._calibrated):
-            raise bad("query energies do not match the query count")
+            raise bad(f"query_energy does not match query_count {self._q_count}")
+        if (mk is None) != (mv is None) or (mk is not None and not self.center):
+            raise bad("key_mean and value_mean must come together, with center")
+        if ka is not None and not self.query_aware_keys:
+            raise bad("a key_scale without query_aware_keys")
+        if not self._calibrated and (mk is not None or ka is not None):
+            raise bad("lever statistics in an uncalibrated cache")
+        if self._calibrated and self.center and mk is None:
+            raise bad("a calibrated cache with center has no key_mean/value_mean")
+        levers = [(name, named[name]) for name in ("key_mean", "value_mean", "key_scale")
+                  if named[name] is not None]
+        lever_shape = levers[0][1].shape if levers else None
+        for name, a in levers:
+            if a.shape != lever_shape or a.shape[2] != 1 or a.dtype != mx.float32:
+                raise bad(f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected "
+                          f"(B, H, 1, D) float32 like {levers[0][0]}")
+        if qe is not None and qe.dtype != mx.float32:
+            raise bad(f"query_energy of dtype {qe.dtype}, expected float32")
+
         if off == 0:
-            if any(a is not None for a in (kc, ks, vc, vs, sk, sv, wk, wv)):
-                raise bad("arrays present in an empty cache")
-            if not self._calibrated and (mk is not None or ka is not None):
-                raise bad("lever statistics in an uncalibrated cache")
+            present = [k for k, a in list(named.items())[:8] if a is not None]
+            if present:
+                raise bad(f"{', '.join(present)} present in an empty cache")
+            bhd = [(a.shape[0], a.shape[1], a.shape[3]) for _, a in levers]
+            if qe is not None:
+                bhd.append(tuple(qe.shape))
+            if len(set(bhd)) > 1:
+                raise bad("lever statistics of different (B, H, D)")
+            if bhd:
+                self._check_head_dim(bhd[0][2], bad)
             # A cache trimmed to nothing keeps its calibration (or query energies).
+            self._drop_code_space()
+            self._buffers_private = False
             self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
             return
-        if not shapes:
-            raise bad(f"offset {off} but no arrays")
-        B, H = shapes[0][0], shapes[0][1]
-        if sk is not None:
-            head_dim = sk.shape[-1]
-        elif wk is not None:
-            head_dim = wk.shape[-1]
+
+        # Batch, heads and head dim from the first present array of the segments.
+        ref_name, ref = next(
+            ((k, named[k]) for k in ("sink_keys", "window_keys", "k_codes")
+             if named[k] is not None),
+            (None, None),
+        )
+        if ref is None:
+            raise bad(f"offset {off} but no sink, window or compressed keys")
+        B, H = ref.shape[0], ref.shape[1]
+        if ref_name == "k_codes":
+            head_dim = ref.shape[3] * 32 // self.key_bits
         else:
-            head_dim = kc.shape[-1] * 32 // self.key_bits
-        self._init_codec(head_dim)
-        self._batch_heads = (B, H)
-        dense = [a for a in (sk, sv, wk, wv) if a is not None]
-        if dense:
-            self.window_dtype = dense[0].dtype
+            head_dim = ref.shape[3]
+        wk_words, wv_words = self._check_head_dim(head_dim, bad)
+
+        # fp16 segments: keys and values of one shape (B, H, tokens, D), one float dtype.
+        dense = [(k, named[k]) for k in ("sink_keys", "sink_values", "window_keys",
+                                         "window_values") if named[k] is not None]
+        for name, a in dense:
+            if (a.shape[0], a.shape[1], a.shape[3]) != (B, H, head_dim):
+                raise bad(f"{name} of shape {tuple(a.shape)}, expected (B, H, tokens, D) = "
+                          f"({B}, {H}, tokens, {head_dim})")
+            if a.dtype not in _WINDOW_DTYPES:
+                raise bad(f"{name} of dtype {a.dtype}, expected float16, bfloat16 or float32")
+            if a.dtype != dense[0][1].dtype:
+                raise bad(f"{name} of dtype {a.dtype} but {dense[0][0]} of {dense[0][1].dtype}")
+        for kname, vname in (("sink_keys", "sink_values"), ("window_keys", "window_values")):
+            k_, v_ = named[kname], named[vname]
+            if (k_ is None) != (v_ is None) or (k_ is not None and k_.shape != v_.shape):
+                raise bad(f"{kname} of shape {None if k_ is None else tuple(k_.shape)} but "
+                          f"{vname} of shape {None if v_ is None else tuple(v_.shape)}")
         ns = min(off, S)
-        if (0 if sk is None else sk.shape[2]) != ns or (0 if sv is None else sv.shape[2]) != ns:
-            raise bad(f"expected {ns} sink tokens")
+        if (0 if sk is None else sk.shape[2]) != ns:
+            raise bad(f"expected {ns} sink tokens, got {0 if sk is None else sk.shape[2]}")
+
+        # Compressed segment: n tokens of packed codes (uint32) and float16 scales.
         if n > max(0, off - S):
-            raise bad(f"{n} compressed tokens beyond offset {off}")
-        wk_words = ops.words_per_token(head_dim, self.key_bits)
-        wv_words = ops.words_per_token(head_dim, self.value_bits)
+            raise bad(f"n_compressed {n} beyond offset {off} (with {S} sink tokens)")
         if n:
             if kc is None or ks is None or vc is None or vs is None:
-                raise bad("missing compressed arrays")
-            if (
-                kc.shape != (B, H, n, wk_words) or vc.shape != (B, H, n, wv_words)
-                or ks.shape != (B, H, n) or vs.shape != (B, H, n)
-                or kc.dtype != mx.uint32 or vc.dtype != mx.uint32
-                or ks.dtype != mx.float16 or vs.dtype != mx.float16
+                raise bad(f"n_compressed {n} but missing compressed arrays")
+            for name, a, shape, dtype in (
+                ("k_codes", kc, (B, H, n, wk_words), mx.uint32),
+                ("v_codes", vc, (B, H, n, wv_words), mx.uint32),
+                ("k_scales", ks, (B, H, n), mx.float16),
+                ("v_scales", vs, (B, H, n), mx.float16),
             ):
-                raise bad("compressed arrays have wrong shapes or dtypes")
+                if tuple(a.shape) != shape or a.dtype != dtype:
+                    raise bad(f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected "
+                              f"{shape} / {dtype}")
         elif any(a is not None for a in (kc, ks, vc, vs)):
             raise bad("compressed arrays without compressed tokens")
+
+        # Window: positions [window_start, offset), within its capacity.
         nw = 0 if wk is None else wk.shape[2]
         if not self._calibrated:
             if n or self._win_start != S or nw != max(0, off - S):
                 raise bad("an uncalibrated cache holds every non-sink token in its window")
-            if mk is not None or mv is not None or ka is not None:
-                raise bad("lever statistics in an uncalibrated cache")
         elif R == 0:
             if nw or n != max(0, off - S):
                 raise bad("window tokens or missing compressed tokens without a window")
         else:
-            if self._win_start < S or nw != max(0, off - self._win_start) or S + n < min(
-                self._win_start, off
-            ) or n < max(0, off - R - S):
-                raise bad("window does not match the compressed segment")
-        for a in (sk, sv, wk, wv):
-            if a is not None and (a.shape[0], a.shape[1], a.shape[3]) != (B, H, head_dim):
-                raise bad(f"fp16 segment of shape {tuple(a.shape)}")
-        lever_shape = (B, H, 1, head_dim)
-        if (mk is None) != (mv is None) or (mk is not None and not self.center):
-            raise bad("key and value means must come together, with center")
-        if ka is not None and not self.query_aware_keys:
-            raise bad("a key scale without query_aware_keys")
-        for a in (mk, mv, ka):
-            if a is not None and (a.shape != lever_shape or a.dtype != mx.float32):
-                raise bad(f"lever array of shape {tuple(a.shape)} / {a.dtype}")
-        if qe is not None and (qe.shape != (B, H, head_dim) or qe.dtype != mx.float32):
-            raise bad(f"query energies of shape {tuple(qe.shape)}")
+            if (
+                self._win_start < S or self._win_start > max(S, off)
+                or nw != max(0, off - self._win_start) or nw > self._window_capacity
+                or S + n < min(self._win_start, off) or n < max(0, off - R - S)
+            ):
+                raise bad(
+                    f"window of {nw} tokens from window_start {self._win_start} does not match "
+                    f"offset {off}, {n} compressed tokens and capacity {self._window_capacity}"
+                )
+        for name, a in levers:
+            if a.shape != (B, H, 1, head_dim):
+                raise bad(f"{name} of shape {tuple(a.shape)}, expected {(B, H, 1, head_dim)}")
+        if qe is not None and qe.shape != (B, H, head_dim):
+            raise bad(f"query_energy of shape {tuple(qe.shape)}, expected {(B, H, head_dim)}")
+
+        # Everything checked: store.
+        self._drop_code_space()
+        self._buffers_private = False  # the caller's arrays
+        self._init_codec(head_dim)
+        self._batch_heads = (B, H)
+        if dense:
+            self.window_dtype = dense[0][1].dtype
         self._k_codes, self._k_scales, self._v_codes, self._v_scales = kc, ks, vc, vs
         self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
         self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
         if self._calibrated and R == 0:
             self._win_start = max(S, off)
+
+    def _check_head_dim(self, head_dim, bad):
+        """Words per token of the keys and values at ``head_dim``, or ``bad``'s error."""
+        try:
+            return (ops.words_per_token(head_dim, self.key_bits),
+                    ops.words_per_token(head_dim, self.value_bits))
+        except Exception as e:
+            raise bad(f"head dim {head_dim} is not supported: {e}") from e
 
     @classmethod
     def from_state(cls, state, meta_state=None):

@@ -5,16 +5,24 @@
 The file is an ordinary mlx-lm prompt-cache file (``.safetensors``: every cache's
 ``state`` flattened, scalars stored as arrays, and the metadata list
 ``[user metadata, class names, scalar kinds]``), so ``mlx_lm``'s own
-``load_prompt_cache`` reads it once :mod:`turboquant_mlx.cache` is imported (that
+``load_prompt_cache`` reads it once :mod:`turboquant_mlx` is imported (that
 registers the class name with mlx-lm). In addition the user metadata carries
 
 * ``tq_format``: the format tag of this module, and
 * ``tq_checksum``: SHA-256 over every array (name, dtype, shape, bytes) and every
   other metadata entry,
 
-so :func:`load_prompt_cache` refuses a truncated or altered file with a clear
-error instead of generating from garbage. The round trip is exact: codes, scales,
-fp16 windows, offsets, bit widths and seeds come back bit for bit.
+so :func:`load_prompt_cache` refuses a truncated or damaged file with a clear
+error instead of generating from garbage. The checksum is not keyed: it detects
+damage, not tampering (anyone who can write the file can recompute it). The loader
+therefore treats the file as untrusted input and checks its structure and every
+cache's arrays against that cache's configuration before it builds the caches; a
+well-formed file can still hold arbitrary cache contents, so load prompt caches only
+from sources you trust. The round trip is exact: codes, scales, fp16 windows,
+offsets, bit widths and seeds come back bit for bit.
+
+A loaded cache needs no :func:`~turboquant_mlx.attention.install_hook` call: a
+TurboQuant cache installs the hook itself whenever it is missing, in ``update_and_fetch``.
 """
 
 import hashlib
@@ -23,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 __all__ = ["save_prompt_cache", "load_prompt_cache", "PromptCacheError"]
 
@@ -86,6 +94,11 @@ def save_prompt_cache(
 ) -> None:
     """Saves a prompt cache (any mix of TurboQuant and mlx-lm caches).
 
+    The file carries a SHA-256 checksum of its arrays and metadata, which
+    :func:`load_prompt_cache` verifies: it detects a damaged file (truncated, partly
+    written, altered bytes), not a forged one -- it is not keyed, and anyone who can
+    write the file can recompute it.
+
     Args:
         path: Output ``.safetensors`` file name.
         cache: The per-layer caches.
@@ -123,17 +136,188 @@ def save_prompt_cache(
     os.replace(tmp, path)
 
 
-def _class_by_name(name: str):
+def _class_by_name(name: str, where: str):
     from mlx_lm.models import cache as mlx_cache
 
     from . import cache as tq_cache
 
     if name == "TurboQuantKVCache":
         return tq_cache.TurboQuantKVCache
-    cls = getattr(mlx_cache, name, None)
-    if cls is None or not isinstance(cls, type):
-        raise PromptCacheError(f"{_PREFIX} unknown cache class {name!r} in the file.")
+    cls = mlx_cache.__dict__.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, mlx_cache._BaseCache)):
+        raise PromptCacheError(f"{_PREFIX} {where}: unknown cache class {name!r}.")
     return cls
+
+
+# The file's metadata and array names are untrusted input (the checksum can be
+# recomputed by anyone): they are parsed here without mlx.utils.tree_unflatten, which
+# builds a list as long as the largest index it is given.
+_MAX_DEPTH = 8  # nesting of a cache's state (mlx-lm's CacheList nests states twice)
+_KINDS = ("scalar", "string", "none")
+
+
+def _index(text: str) -> Optional[int]:
+    """A list index written by tree_flatten (``0``, ``1``, ... without leading zeros)."""
+    if text.isascii() and text.isdigit() and len(text) <= 9 and (text == "0" or text[0] != "0"):
+        return int(text)
+    return None
+
+
+def _dense(items: Dict[int, Any], what: str, where: str, first: int = 0) -> List[Any]:
+    """The values of ``items`` as a list, if its keys are exactly ``first, first + 1, ...``."""
+    if set(items) != set(range(first, first + len(items))):
+        missing = sorted(set(range(first, first + len(items))) - set(items))
+        raise PromptCacheError(
+            f"{_PREFIX} {where}: the {what} indices are not {first}..{first + len(items) - 1} "
+            f"(index {missing[0]} is missing)."
+        )
+    return [items[i] for i in range(first, first + len(items))]
+
+
+def _parse_metadata(flat_meta: Dict[str, str], arrays: Dict[str, mx.array], where: str):
+    """``(user metadata, class names, [(array name, kind)])`` from the flat metadata."""
+    user: Dict[str, str] = {}
+    classes: Dict[int, str] = {}
+    kinds: Dict[int, Dict[str, str]] = {}
+    lead = False
+    for key, value in flat_meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise PromptCacheError(f"{_PREFIX} {where}: metadata entry {key!r} is not a string.")
+        head, _, rest = key.partition(".")
+        k, _, j = rest.partition(".")  # kinds: "2.0" is "", "2.<k>.0" a name, "2.<k>.1" its kind
+        if head == "0" and rest:
+            user[rest] = value
+        elif head == "1" and _index(rest) is not None:
+            classes[_index(rest)] = value
+        elif head == "2" and rest == "0":
+            if value != "":
+                raise PromptCacheError(f"{_PREFIX} {where}: metadata entry '2.0' must be empty.")
+            lead = True
+        elif head == "2" and (_index(k) or 0) > 0 and j in ("0", "1"):
+            kinds.setdefault(_index(k), {})[j] = value
+        else:
+            raise PromptCacheError(f"{_PREFIX} {where}: unexpected metadata key {key[:80]!r}.")
+    if not lead:
+        raise PromptCacheError(f"{_PREFIX} {where}: the metadata has no scalar-kind list.")
+    class_list = _dense(classes, "cache class", where)
+    kind_list = []
+    for i, entry in enumerate(_dense(kinds, "scalar-kind", where, first=1), start=1):
+        name, kind = entry.get("0"), entry.get("1")
+        if name is None or kind is None:
+            raise PromptCacheError(f"{_PREFIX} {where}: scalar-kind entry {i} is incomplete.")
+        if kind not in _KINDS:
+            raise PromptCacheError(f"{_PREFIX} {where}: unknown scalar kind {kind!r} of {name!r}.")
+        if name not in arrays:
+            raise PromptCacheError(
+                f"{_PREFIX} {where}: scalar-kind entry {i} names array {name!r}, which the "
+                "file does not hold."
+            )
+        kind_list.append((name, kind))
+    if len({name for name, _ in kind_list}) != len(kind_list):
+        raise PromptCacheError(f"{_PREFIX} {where}: an array has two scalar kinds.")
+    return user, class_list, kind_list
+
+
+def _scalar_value(name: str, a: mx.array, kind: str, where: str):
+    if kind == "scalar":
+        if a.ndim != 0:
+            raise PromptCacheError(
+                f"{_PREFIX} {where}: scalar {name!r} has shape {tuple(a.shape)}."
+            )
+        return a.item()
+    if kind == "string":
+        if a.ndim != 1 or (a.size and not mx.issubdtype(a.dtype, mx.integer)):
+            raise PromptCacheError(
+                f"{_PREFIX} {where}: string {name!r} is not a 1-D integer array."
+            )
+        codes = a.tolist()
+        if any(not 0 <= c <= 0x10FFFF for c in codes):
+            raise PromptCacheError(f"{_PREFIX} {where}: string {name!r} has invalid characters.")
+        return "".join(chr(c) for c in codes)
+    if a.size != 0:
+        raise PromptCacheError(f"{_PREFIX} {where}: None entry {name!r} is not empty.")
+    return None
+
+
+def _states(values: Dict[str, Any], n_caches: int, where: str) -> List[List[Any]]:
+    """The caches' states from the flat ``name -> value`` map (names ``i.j...``)."""
+    root: Dict[int, Any] = {}
+    for name, value in values.items():
+        parts = name.split(".")
+        idx = [_index(p) for p in parts]
+        if any(i is None for i in idx) or len(idx) < 2 or len(idx) > _MAX_DEPTH + 1:
+            raise PromptCacheError(
+                f"{_PREFIX} {where}: array name {name[:80]!r} is not a state path "
+                "(cache index, then at most "
+                f"{_MAX_DEPTH} list indices)."
+            )
+        if idx[0] >= n_caches:
+            raise PromptCacheError(
+                f"{_PREFIX} {where}: array {name!r} belongs to cache {idx[0]}, but the file "
+                f"has {n_caches} caches."
+            )
+        node = root
+        for i in idx[:-1]:
+            node = node.setdefault(i, {})
+            if not isinstance(node, dict):
+                raise PromptCacheError(f"{_PREFIX} {where}: array {name!r} is inside a value.")
+        if idx[-1] in node:
+            raise PromptCacheError(f"{_PREFIX} {where}: array {name!r} holds a nested state.")
+        node[idx[-1]] = value
+
+    def build(node: Dict[int, Any], path: str) -> List[Any]:
+        items = _dense(node, f"cache {path} state", where)
+        return [build(x, f"{path}.{i}") if isinstance(x, dict) else x for i, x in enumerate(items)]
+
+    # A cache whose state is empty has no arrays.
+    return [build(root[i], str(i)) if i in root else [] for i in range(n_caches)]
+
+
+def _check_kv_cache_state(state: List[Any]) -> None:
+    """mlx-lm's KVCache: ``(keys, values, offset)``, keys and values with the same
+    batch, heads and token capacity (which holds ``offset`` tokens)."""
+    if len(state) != 3:
+        raise ValueError(f"a state of {len(state)} entries, expected 3 (keys, values, offset)")
+    keys, values, offset = state
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise ValueError(f"offset is a {type(offset).__name__}, not an integer")
+    if keys is None and values is None:
+        if offset != 0:
+            raise ValueError(f"offset {offset} without keys")
+        return
+    for name, a in (("keys", keys), ("values", values)):
+        if not isinstance(a, mx.array) or a.ndim != 4 or not mx.issubdtype(a.dtype, mx.floating):
+            raise ValueError(f"{name} are not a 4-D floating-point array")
+    if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} / {keys.dtype} and values {tuple(values.shape)} / "
+            f"{values.dtype} do not match"
+        )
+    if not 0 <= offset <= keys.shape[2]:
+        raise ValueError(f"offset {offset} beyond the {keys.shape[2]} stored tokens")
+
+
+def _check_turboquant_state(state: List[Any]) -> None:
+    """The layout of a TurboQuantKVCache state: its arrays, then its integers (the
+    cache checks their values against each other)."""
+    from . import cache as tq_cache
+
+    layouts = {
+        tq_cache._N_ARRAYS + len(tq_cache._CONFIG_FIELDS): tq_cache._N_ARRAYS,
+        tq_cache._N_ARRAYS_V1 + len(tq_cache._CONFIG_FIELDS_V1): tq_cache._N_ARRAYS_V1,
+    }
+    n = layouts.get(len(state))
+    if n is None:
+        raise ValueError(
+            f"a state of {len(state)} entries, expected {sorted(layouts)[::-1]} "
+            "(arrays, then configuration integers)"
+        )
+    for i, x in enumerate(state):
+        if i < n and not isinstance(x, mx.array):
+            raise ValueError(f"{tq_cache._ARRAY_FIELDS[i]} is not an array")
+        if i >= n and (isinstance(x, bool) or not isinstance(x, int)):
+            field = tq_cache._CONFIG_FIELDS[i - n]
+            raise ValueError(f"configuration value {field} is not an integer")
 
 
 def load_prompt_cache(
@@ -141,11 +325,21 @@ def load_prompt_cache(
 ):
     """Loads a prompt cache saved by :func:`save_prompt_cache` (or by mlx-lm).
 
+    The checksum detects damage (a truncated, partly written or bit-flipped file), not
+    tampering: it is not keyed, and anyone who can write the file can recompute it.
+    The file is therefore read as untrusted input: the structure of its metadata and
+    array names, and every cache's arrays (shapes, dtypes, token counts) against the
+    cache's configuration, are checked before any cache is built, and a file that
+    fails a check raises :class:`PromptCacheError` (a ``ValueError``) naming the file,
+    the cache index and the field. A well-formed file can still hold arbitrary cache
+    contents: load prompt caches only from sources you trust.
+
     Args:
         path: The ``.safetensors`` file.
         return_metadata: Also return the user metadata (without the integrity keys).
         allow_unverified: Accept a file without a checksum (e.g. written by
-            ``mlx_lm.models.cache.save_prompt_cache``); such a file cannot be checked.
+            ``mlx_lm.models.cache.save_prompt_cache``); such a file cannot be checked
+            for damage (its structure is checked all the same).
 
     Returns:
         The list of caches, or ``(caches, metadata)``.
@@ -179,29 +373,35 @@ def load_prompt_cache(
                 f"{_PREFIX} {path!r} is corrupted: checksum mismatch (stored {stored[:16]}..., "
                 f"computed {computed[:16]}...)."
             )
-    try:
-        metadata, classes, kinds = tree_unflatten(list(flat_meta.items()))
-        values: Dict[str, Any] = dict(arrays)
-        for key, kind in kinds[1:]:
-            a = values[key]
-            if kind == "scalar":
-                values[key] = a.item()
-            elif kind == "string":
-                values[key] = "".join(chr(i) for i in a.tolist())
-            elif kind == "none":
-                values[key] = None
-            else:
-                raise PromptCacheError(f"{_PREFIX} unknown scalar kind {kind!r}.")
-        states = tree_unflatten(list(values.items())) if values else []
-        if len(states) != len(classes):
+    where = repr(path)
+    metadata, classes, kinds = _parse_metadata(flat_meta, arrays, where)
+    values: Dict[str, Any] = dict(arrays)
+    for name, kind in kinds:
+        values[name] = _scalar_value(name, arrays[name], kind, where)
+    states = _states(values, len(classes), where)
+    # The layout of every state is checked before any cache is built; each cache checks
+    # its arrays against its configuration before it stores them.
+    checked = []
+    for i, (name, state) in enumerate(zip(classes, states)):
+        cls = _class_by_name(name, f"{where}, cache {i}")
+        check = {"TurboQuantKVCache": _check_turboquant_state, "KVCache": _check_kv_cache_state}
+        try:
+            if name in check:
+                check[name](state)
+        except ValueError as e:
+            raise PromptCacheError(f"{_PREFIX} {where}, cache {i} ({name}): {e}.") from e
+        checked.append((i, name, cls, state))
+    cache = []
+    for i, name, cls, state in checked:
+        try:
+            cache.append(cls.from_state(state))
+        except Exception as e:
+            detail = str(e)
+            for prefix in ("[turboquant_mlx.cache] ", "inconsistent state: "):
+                detail = detail[len(prefix):] if detail.startswith(prefix) else detail
             raise PromptCacheError(
-                f"{_PREFIX} {len(classes)} cache classes but {len(states)} states."
-            )
-        cache = [_class_by_name(c).from_state(s) for c, s in zip(classes, states)]
-    except PromptCacheError:
-        raise
-    except Exception as e:
-        raise PromptCacheError(f"{_PREFIX} {path!r} holds an invalid prompt cache: {e}") from e
+                f"{_PREFIX} {where}, cache {i} ({name}): invalid state: {detail}"
+            ) from e
     if return_metadata:
         metadata = {k: v for k, v in metadata.items() if k not in (_CHECKSUM_KEY, _FORMAT_KEY)}
         return cache, metadata
