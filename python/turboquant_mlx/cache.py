@@ -336,7 +336,8 @@ class TurboQuantKVCache(_BaseCache):
             ``trim`` of up to this many tokens is exact (only used with a window).
         prefill_budget_bytes: Where MLX's attention has no fused kernel for a
             prefill (the CPU; see :meth:`_attend_prefill`), the most bytes of scores
-            one chunk of queries may materialize; default 256 MiB.
+            one chunk of queries may materialize; default 1 GiB (fewer, larger
+            chunks read the layer's keys and values fewer times).
         window_dtype: Storage dtype of the unquantized tokens (sinks, window).
             Default: the keys' dtype if it is float16 or bfloat16, else float16.
             Incoming keys and values are rounded to it on arrival, so the cache
@@ -370,7 +371,7 @@ class TurboQuantKVCache(_BaseCache):
     step = 256  # capacity granularity (tokens)
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
-    default_prefill_budget_bytes = 256 << 20
+    default_prefill_budget_bytes = 1 << 30
 
     def __init__(
         self,
