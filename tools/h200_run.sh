@@ -167,6 +167,25 @@ step_bench() {
   echo "bench done in $((SECONDS - t0)) s"
 }
 
+# Prompt processing through the compressed cache: its GPU tests, then the prefill
+# table (bench/bench_prefill.py, TQ_PREFILL_ARGS) and the long-context scenario
+# (bench/long_context.py, TQ_LONG_ARGS), each row printed as it is measured.
+step_prefill() {
+  (cd tests && run_step prefill_tests "$(budget "${TQ_PREFILL_TEST_TIMEOUT:-150}")" python3 -m pytest -q -ra \
+    -p no:cacheprovider --device gpu test_cache.py test_integration.py test_gpu.py \
+    -k "prefill or dequantize or attention_matches or half_precision or logits_match")
+  tail -5 "$OUT/prefill_tests.log"
+  run_step prefill_bench "$(budget "${TQ_PREFILL_BENCH_TIMEOUT:-300}")" python3 bench/bench_prefill.py \
+    --markdown-out "$OUT/prefill.md" ${TQ_PREFILL_ARGS:-}
+  grep -E "^\||Error|error" "$OUT/prefill_bench.log" | tail -40
+}
+
+step_long() {
+  run_step long_context "$(budget "${TQ_LONG_TIMEOUT:-540}")" python3 bench/long_context.py \
+    --markdown-out "$OUT/long_context.md" ${TQ_LONG_ARGS:-}
+  grep -E "^\||Error|error" "$OUT/long_context.log" | tail -40
+}
+
 # C++ exceptions raised through the CUDA build's bindings (a plain function and an op
 # that refuses its input): each must surface as a Python error. On a crash, a native
 # backtrace (cuda-gdb debugs host code too; the image has no gdb) and the link map.
@@ -257,6 +276,8 @@ for step in "$@"; do
     profile) step_profile ;;
     stalls) step_stalls ;;
     kernel) export PYTHONPATH=/tmp/site; step_kernel ;;
+    prefill) export PYTHONPATH=/tmp/site; step_prefill ;;
+    long) export PYTHONPATH=/tmp/site; step_long ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
