@@ -1426,3 +1426,73 @@ def test_fallback_quantize_append_refuses_bad_tokens(bad):
     needles = ("non-finite",) if bad == "nan" else ("norm", "240000")
     assert_op_error(excinfo, "quantize_append", *needles)
     np.testing.assert_array_equal(np.array(old_codes), words)
+
+
+# ---------------------------------------------------------------------------
+# stream: every op takes it as MLX's own ops do
+
+
+STREAM_FORMS = {
+    "DeviceType": lambda: mx.cpu,
+    "Device": lambda: mx.Device(mx.cpu),
+    "Stream": lambda: mx.default_stream(mx.Device(mx.cpu)),
+    "new Stream": lambda: mx.new_stream(mx.Device(mx.cpu)),
+}
+
+
+def every_op_on(stream):
+    """Each op once on small valid inputs (B=1, H=2, D=64, K4V3), on ``stream``:
+    {name: its outputs}."""
+    rng = np.random.default_rng(12)
+    kc, vc = mx.array(centroids_np(64, 4)), mx.array(centroids_np(64, 3))
+
+    def cache():  # fresh buffers for each op: the in-place appends write into them
+        return [*mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 4)),
+                *mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 3))]
+
+    x = mx.array(random_tokens(rng, (1, 2, 2, 64), spread=False))
+    dense = np.zeros((1, 2, 8, 64), np.float32)
+    return {
+        "has_kernels": [mx.array(ops.has_kernels(stream))],
+        "has_ring_append": [mx.array(ops.has_ring_append(stream))],
+        "quantize_append": ops.quantize_append(*cache()[:2], x, kc, 0, 4, stream=stream),
+        "quantize_append_kv": ops.quantize_append_kv(*cache(), x, x, kc, vc, 0, 4, 3,
+                                                     stream=stream),
+        "write_tokens_kv": ops.write_tokens_kv(mx.array(dense), mx.array(dense), x, x, 1,
+                                               stream=stream),
+        "ring_append_kv": ops.ring_append_kv(*cache(), mx.array(dense), mx.array(dense), x, x,
+                                             kc, vc, 2, 3, 4, 3, stream=stream),
+        "compressed_attention": ops.compressed_attention(
+            mx.concatenate([x, x], axis=1), *cache(), kc, vc, 4, 0.125, 4, 3, stream=stream),
+        "dequantize": [ops.dequantize(*cache()[:2], kc, 4, 0, 4, stream=stream)],
+    }
+
+
+@pytest.mark.parametrize("form", STREAM_FORMS)
+def test_ops_take_every_stream_form(form):
+    # mx.cpu (a DeviceType), a Device, a Stream: the same results as the CPU's default
+    # stream gives, bit for bit.
+    want = every_op_on(mx.default_stream(mx.Device(mx.cpu)))
+    got = every_op_on(STREAM_FORMS[form]())
+    uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+    for name in want:
+        for a, b in zip(got[name], want[name]):
+            np.testing.assert_array_equal(np.array(a.view(uint[a.itemsize])),
+                                          np.array(b.view(uint[b.itemsize])), err_msg=name)
+
+
+@pytest.mark.parametrize("op", ("quantize_append", "compressed_attention", "has_kernels"))
+def test_ops_refuse_a_stream_of_another_type(op):
+    words, scales = mx_cache(*poisoned_cache(np.random.default_rng(13), 1, 2, 8, 64, 4))
+    c = mx.array(centroids_np(64, 4))
+    x = mx.zeros((1, 2, 2, 64))
+    calls = {
+        "quantize_append": lambda: ops.quantize_append(words, scales, x, c, 0, 4,
+                                                       stream="cpu"),
+        "compressed_attention": lambda: ops.compressed_attention(
+            x, words, scales, words, scales, c, c, 2, 0.125, 4, 4, stream="cpu"),
+        "has_kernels": lambda: ops.has_kernels("cpu"),
+    }
+    with pytest.raises(TypeError) as excinfo:
+        calls[op]()
+    assert_op_error(excinfo, op, "stream must be", "'cpu'")

@@ -28,23 +28,40 @@ __all__ = [
 words_per_token = _ext.words_per_token
 
 
-def _device(stream) -> mx.Device:
+def _device(stream, op: str) -> mx.Device:
+    """The device of an op's ``stream`` argument: None (the default device), an
+    ``mx.Stream``, an ``mx.Device``, or ``mx.cpu`` / ``mx.gpu`` (an ``mx.DeviceType``),
+    as MLX's own ops take it."""
     if stream is None:
         return mx.default_device()
-    return stream if isinstance(stream, mx.Device) else stream.device
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    if isinstance(stream, mx.Device):
+        return stream
+    if isinstance(stream, mx.DeviceType):
+        return mx.Device(stream)
+    raise TypeError(
+        f"[turboquant_mlx.{op}] stream must be None, an mx.Stream, an mx.Device, mx.cpu "
+        f"or mx.gpu, got {stream!r}."
+    )
 
 
 _gpu_kernels = None  # whether this build has kernels for the GPU (asked once)
 
 
-def has_kernels(stream=None) -> bool:
-    """Whether the ops run hand-written kernels (not the fallback) on ``stream``."""
+def _has_kernels(stream, op: str) -> bool:
     global _gpu_kernels
     if _gpu_kernels is None:
         _gpu_kernels = bool(_ext.gpu_available())
-    # Every op call asks: a build with GPU kernels has them on every device, and then
-    # the stream need not be looked at.
-    return _gpu_kernels or _device(stream).type == mx.cpu
+    device = _device(stream, op)  # (checks the argument whatever the build)
+    # Every op call asks: a build with GPU kernels has them on every device.
+    return _gpu_kernels or device.type == mx.cpu
+
+
+def has_kernels(stream=None) -> bool:
+    """Whether the ops run hand-written kernels (not the fallback) on ``stream`` (a
+    stream, a device, or ``mx.cpu`` / ``mx.gpu``, as every op's ``stream`` is)."""
+    return _has_kernels(stream, "has_kernels")
 
 
 def quantize_append(
@@ -82,7 +99,7 @@ def quantize_append(
         tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
         old arrays so the primitive can reuse their buffers (O(L) instead of a copy).
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "quantize_append"):
         codes, scales = _ext.quantize_append(
             codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
             mean=mean, in_place=in_place, stream=stream,
@@ -126,7 +143,7 @@ def quantize_append_kv(
     Returns:
         tuple[array, array, array, array]: ``(k_codes, k_scales, v_codes, v_scales)``.
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "quantize_append_kv"):
         return tuple(_ext.quantize_append_kv(
             k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids,
             offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
@@ -149,9 +166,9 @@ def quantize_append_kv(
 _METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal kernel)
 
 
-def _has_write_kernel(stream) -> bool:
+def _has_write_kernel(stream, op: str) -> bool:
     """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
-    return has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu)
+    return _has_kernels(stream, op) and (not _METAL_BUILD or _device(stream, op).type == mx.cpu)
 
 
 def write_tokens_kv(
@@ -176,7 +193,7 @@ def write_tokens_kv(
     Returns:
         tuple[array, array]: ``(k_buffer, v_buffer)``.
     """
-    if _has_write_kernel(stream):
+    if _has_write_kernel(stream, "write_tokens_kv"):
         return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
                                           after=list(after), stream=stream))
     n = keys.shape[2]
@@ -189,7 +206,7 @@ def write_tokens_kv(
 def has_ring_append(stream=None) -> bool:
     """Whether :func:`ring_append_kv` is one node on ``stream`` (CPU and CUDA; on Metal,
     and without GPU kernels, it is an append and a write)."""
-    return _has_write_kernel(stream)
+    return _has_write_kernel(stream, "has_ring_append")
 
 
 def ring_append_kv(
@@ -227,7 +244,7 @@ def ring_append_kv(
     Returns:
         tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
     """
-    if has_ring_append(stream):
+    if _has_write_kernel(stream, "ring_append_kv"):
         return tuple(_ext.ring_append_kv(
             k_codes, k_scales, v_codes, v_scales, k_ring, v_ring, keys, values,
             k_centroids, v_centroids, offset, slot, key_bits, value_bits,
@@ -298,7 +315,7 @@ def compressed_attention(
         model space with ``rotation_signs`` and ``rotate_output``) and the float32
         log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores (of the uncentered keys).
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "compressed_attention"):
         out, lse = _ext.compressed_attention(
             q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask,
