@@ -515,7 +515,8 @@ def test_ring_append_kv_refuses_a_bad_leaving_token_without_writing(bad):
     out = ops.ring_append_kv(kw, ks, vw, vs, k_ring, v_ring, new, new, c, c, 3, 2, bits, bits)
     with pytest.raises(RuntimeError) as excinfo:
         mx.eval(*out)
-    assert_op_error(excinfo, "quantize_append", *(("non-finite",) if bad == "nan" else ("norm",)))
+    assert_op_error(excinfo, "ring_append_kv", "key ring slot 2 of head 1",
+                    *(("non-finite",) if bad == "nan" else ("norm",)))
     for a, b in zip((k_ring, v_ring), before):
         np.testing.assert_array_equal(np.array(a), b)  # (NaN compares equal here)
     # the keys' part, whose token is bad, wrote nothing
