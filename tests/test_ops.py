@@ -972,6 +972,57 @@ def test_attention_fully_masked_rows(variant):
     assert_attention_close(np.array(f_out), np.array(f_lse), ref_out, ref_lse, v_hat)
 
 
+@pytest.mark.parametrize("impl", (
+    pytest.param("kernel", marks=pytest.mark.cpu_only(
+        reason="the GPU kernels are not held to NaN propagation")),
+    "fallback",
+))
+@pytest.mark.parametrize("bad", ("query", "tail"))
+def test_attention_propagates_nan(bad, impl):
+    # A NaN score is not a hidden key: a query with one NaN coordinate makes its row of
+    # out and its lse NaN (a NaN tail key: every row of its KV head), as plain attention
+    # does. Every other row is what it is without the NaN, and a row that sees no key
+    # (fully masked, no tail) stays 0 with lse -inf.
+    rng = np.random.default_rng(41)
+    batch, kv_heads, group, q_len, head_dim, kv_len = 1, 2, 2, 2, 64, 12
+    k_words, k_scales, _ = reference_cache(rng, batch, kv_heads, 16, kv_len, head_dim, 4)
+    v_words, v_scales, _ = reference_cache(rng, batch, kv_heads, 16, kv_len, head_dim, 3)
+    q = rng.standard_normal((batch, kv_heads * group, q_len, head_dim)).astype(np.float32)
+    tail = rng.standard_normal((2, batch, kv_heads, 3, head_dim)).astype(np.float32)
+    keep = np.ones((batch, kv_heads * group, q_len, kv_len), bool)
+    keep[0, 3, 0] = False
+
+    def attend(q, tail):
+        args = (mx.array(q), *mx_cache(k_words, k_scales), *mx_cache(v_words, v_scales),
+                mx.array(centroids_np(head_dim, 4)), mx.array(centroids_np(head_dim, 3)),
+                kv_len, 0.125, 4, 3, True, mx.array(keep))
+        tail_k, tail_v = (None, None) if tail is None else (mx.array(t) for t in tail)
+        if impl == "kernel":
+            out, lse = ops.compressed_attention(*args, tail_k=tail_k, tail_v=tail_v)
+        else:
+            out, lse = fallback.compressed_attention(*args, tail_k, tail_v)
+        return np.array(out), np.array(lse)
+
+    nan_rows = np.zeros((batch, kv_heads * group, q_len), bool)
+    if bad == "query":
+        tail = None
+        clean_out, clean_lse = attend(q, tail)
+        q = q.copy()
+        q[0, 1, 1, 9] = np.nan
+        nan_rows[0, 1, 1] = True
+    else:
+        clean_out, clean_lse = attend(q, tail)
+        tail = tail.copy()
+        tail[0, 0, 1, 2, 9] = np.nan  # a key of KV head 1: query heads 2 and 3
+        nan_rows[0, 2:4] = True
+    out, lse = attend(q, tail)
+    assert np.isnan(out[nan_rows]).all() and np.isnan(lse[nan_rows]).all()
+    np.testing.assert_allclose(out[~nan_rows], clean_out[~nan_rows], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[~nan_rows], clean_lse[~nan_rows], rtol=1e-5)
+    if bad == "query":
+        assert (out[0, 3, 0] == 0).all() and lse[0, 3, 0] == -np.inf
+
+
 @pytest.mark.parametrize("impl", ("kernel", "fallback"))
 @pytest.mark.parametrize(
     "kwargs",

@@ -208,7 +208,9 @@ def compressed_attention(
         v = mx.concatenate([v, tail_v.astype(mx.float32)], axis=2)
         kv_len += T
     lse = mx.logsumexp(scores, axis=-1)
-    visible = lse > -np.inf
+    # A row that sees no key is 0 with lse -inf; a NaN score (a NaN query, say) makes
+    # its row NaN, as the CPU kernel does.
+    visible = lse != neg_inf
     probs = mx.exp(scores - mx.where(visible, lse, 0.0)[..., None])
     probs = mx.where(visible[..., None], probs, 0.0)
     out = probs.reshape(B, n_kv, G, L, kv_len) @ v[:, :, None]

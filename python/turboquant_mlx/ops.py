@@ -355,6 +355,11 @@ def compressed_attention(
     ``out_dtype`` (float32 when None; float16 or bfloat16): ``out`` in that dtype, as
     the kernels write it (a decode step's layer output then needs no conversion node).
 
+    A query row that sees no key (all masked) is 0 with an lse of ``-inf``. A NaN score
+    (a NaN query, mask value or tail token) is not taken for a hidden key: its row of
+    ``out`` and its lse are NaN, as in plain attention (the CPU kernel and the fallback;
+    the GPU kernels are not held to it).
+
     Returns:
         tuple[array, array]: ``out`` ``(B, Hq, L, D)`` (``out_dtype``; rotated space, or
         model space with ``rotation_signs`` and ``rotate_output``) and the float32
