@@ -185,8 +185,9 @@ void check_token_slots(const char* op, const char* doing, int offset, int length
 
 // Graph nodes of in-place appends of `tensors` tensors (a layer's keys and values: 2):
 // one (the default), or with TURBOQUANT_APPEND_NODES=2 one per tensor, =4 one per
-// buffer, as donating appends are: a switch for measuring what fewer nodes save. Read
-// at each call, so that one process can time each.
+// buffer, as donating appends are: a switch for measuring what fewer nodes save (a
+// call whose keys are accepted and values refused then writes the keys). Read at each
+// call, so that one process can time each.
 int in_place_append_nodes(int tensors) {
   const char* v = std::getenv("TURBOQUANT_APPEND_NODES");
   const int asked = v == nullptr ? 1 : std::atoi(v);
@@ -301,8 +302,10 @@ PreparedAppend prepare_append(
 /// The nodes of appends with the same offset: one node for all buffers (in_place), or,
 /// with TURBOQUANT_APPEND_NODES asking for them (or without in_place: donation needs
 /// single-output nodes), one node per tensor or per buffer. Outputs: codes, scales of
-/// each tensor in turn.
+/// each tensor in turn. (A node refuses bad tokens without writing any of its buffers;
+/// only one node for all tensors makes a refused call all-or-nothing.)
 std::vector<mx::array> append_nodes(
+    const char* op,
     const std::vector<std::pair<mx::array, mx::array>>& buffers,
     const std::vector<PreparedAppend>& appends,
     int offset,
@@ -331,7 +334,7 @@ std::vector<mx::array> append_nodes(
           std::move(shapes),
           std::move(dtypes),
           std::make_shared<QuantizeAppend>(
-              stream, offset, AppendTarget::Both, std::move(parts), in_place),
+              stream, offset, AppendTarget::Both, std::move(parts), in_place, op),
           std::move(inputs));
       outputs.insert(outputs.end(), out.begin(), out.end());
     }
@@ -347,7 +350,7 @@ std::vector<mx::array> append_nodes(
           buffer.shape(),
           buffer.dtype(),
           std::make_shared<QuantizeAppend>(
-              stream, offset, target, std::vector<AppendPart>{appends[i].part}, in_place),
+              stream, offset, target, std::vector<AppendPart>{appends[i].part}, in_place, op),
           std::move(inputs));
     };
     outputs.push_back(node(buffers[i].first, AppendTarget::Codes));
@@ -419,7 +422,8 @@ std::vector<mx::array> quantize_append(
   auto a = prepare_append(
       "quantize_append", "cache", codes, scales, x, centroids, offset, bits, rotation_signs,
       mean, stream);
-  return append_nodes({{codes, scales}}, {std::move(a)}, offset, in_place, stream);
+  return append_nodes(
+      "quantize_append", {{codes, scales}}, {std::move(a)}, offset, in_place, stream);
 }
 
 std::vector<mx::array> quantize_append_kv(
@@ -446,7 +450,7 @@ std::vector<mx::array> quantize_append_kv(
       key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
       stream);
   return append_nodes(
-      {{k_codes, k_scales}, {v_codes, v_scales}}, appends, offset, /* in_place = */ true,
+      op, {{k_codes, k_scales}, {v_codes, v_scales}}, appends, offset, /* in_place = */ true,
       stream);
 }
 

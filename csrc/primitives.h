@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 #include "metal/tq_params.h"
@@ -75,6 +76,13 @@ struct AppendPart {
 /// outputs, per part: the buffers (each shares its input buffer when donatable or
 ///          in_place, else a copy)
 ///
+/// Refusals: on the CPU the node checks the tokens of all its parts (finite, and a
+/// scale that fits float16) and quantizes them into scratch before it writes any
+/// buffer, so a node that refuses them raises (naming op()) and leaves every buffer as
+/// it was. GPU kernels cannot raise without the host waiting for the device: they store
+/// such a token (a non-finite scale for NaN/Inf input, an overflowing one rounded to
+/// float16).
+///
 /// in_place: the node writes into the input buffers even while other arrays still
 /// reference them. MLX keeps every op input alive until the GPU has run the op, so
 /// under pipelined decoding (the next step's graph evaluated while the GPU still runs
@@ -88,12 +96,14 @@ class QuantizeAppend : public mx::Primitive {
       int offset,
       AppendTarget target,
       std::vector<AppendPart> parts,
-      bool in_place = false)
+      bool in_place = false,
+      const char* op = "quantize_append")
       : mx::Primitive(stream),
         offset_(offset),
         target_(target),
         parts_(std::move(parts)),
-        in_place_(in_place) {}
+        in_place_(in_place),
+        op_(op) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -157,12 +167,18 @@ class QuantizeAppend : public mx::Primitive {
   bool in_place() const {
     return in_place_;
   }
+  /// The public op that built the node (quantize_append, quantize_append_kv,
+  /// ring_append_kv), which its errors name.
+  const char* op() const {
+    return op_;
+  }
 
  private:
   int offset_;
   AppendTarget target_;
   std::vector<AppendPart> parts_;
   bool in_place_;
+  const char* op_; // a string literal
 };
 
 /// Writes tokens x (B,H,L,D) into dense cache buffers (B,H,cap,D) of the same dtype at
@@ -226,7 +242,13 @@ class RingAppend : public mx::Primitive {
  public:
   RingAppend(mx::Stream stream, int offset, int slot, std::vector<AppendPart> parts)
       : mx::Primitive(stream),
-        append_(stream, offset, AppendTarget::Both, std::move(parts), /* in_place = */ true),
+        append_(
+            stream,
+            offset,
+            AppendTarget::Both,
+            std::move(parts),
+            /* in_place = */ true,
+            "ring_append_kv"),
         write_(stream, slot, 2) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)

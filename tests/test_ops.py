@@ -515,7 +515,8 @@ def test_ring_append_kv_refuses_a_bad_leaving_token_without_writing(bad):
     out = ops.ring_append_kv(kw, ks, vw, vs, k_ring, v_ring, new, new, c, c, 3, 2, bits, bits)
     with pytest.raises(RuntimeError) as excinfo:
         mx.eval(*out)
-    assert_op_error(excinfo, "quantize_append", *(("non-finite",) if bad == "nan" else ("norm",)))
+    assert_op_error(excinfo, "ring_append_kv", "key ring slot 2 of head 1",
+                    *(("non-finite",) if bad == "nan" else ("norm",)))
     for a, b in zip((k_ring, v_ring), before):
         np.testing.assert_array_equal(np.array(a), b)  # (NaN compares equal here)
     # the keys' part, whose token is bad, wrote nothing
@@ -969,6 +970,57 @@ def test_attention_fully_masked_rows(variant):
     assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
     f_out, f_lse = fallback.compressed_attention(*args)
     assert_attention_close(np.array(f_out), np.array(f_lse), ref_out, ref_lse, v_hat)
+
+
+@pytest.mark.parametrize("impl", (
+    pytest.param("kernel", marks=pytest.mark.cpu_only(
+        reason="the GPU kernels are not held to NaN propagation")),
+    "fallback",
+))
+@pytest.mark.parametrize("bad", ("query", "tail"))
+def test_attention_propagates_nan(bad, impl):
+    # A NaN score is not a hidden key: a query with one NaN coordinate makes its row of
+    # out and its lse NaN (a NaN tail key: every row of its KV head), as plain attention
+    # does. Every other row is what it is without the NaN, and a row that sees no key
+    # (fully masked, no tail) stays 0 with lse -inf.
+    rng = np.random.default_rng(41)
+    batch, kv_heads, group, q_len, head_dim, kv_len = 1, 2, 2, 2, 64, 12
+    k_words, k_scales, _ = reference_cache(rng, batch, kv_heads, 16, kv_len, head_dim, 4)
+    v_words, v_scales, _ = reference_cache(rng, batch, kv_heads, 16, kv_len, head_dim, 3)
+    q = rng.standard_normal((batch, kv_heads * group, q_len, head_dim)).astype(np.float32)
+    tail = rng.standard_normal((2, batch, kv_heads, 3, head_dim)).astype(np.float32)
+    keep = np.ones((batch, kv_heads * group, q_len, kv_len), bool)
+    keep[0, 3, 0] = False
+
+    def attend(q, tail):
+        args = (mx.array(q), *mx_cache(k_words, k_scales), *mx_cache(v_words, v_scales),
+                mx.array(centroids_np(head_dim, 4)), mx.array(centroids_np(head_dim, 3)),
+                kv_len, 0.125, 4, 3, True, mx.array(keep))
+        tail_k, tail_v = (None, None) if tail is None else (mx.array(t) for t in tail)
+        if impl == "kernel":
+            out, lse = ops.compressed_attention(*args, tail_k=tail_k, tail_v=tail_v)
+        else:
+            out, lse = fallback.compressed_attention(*args, tail_k, tail_v)
+        return np.array(out), np.array(lse)
+
+    nan_rows = np.zeros((batch, kv_heads * group, q_len), bool)
+    if bad == "query":
+        tail = None
+        clean_out, clean_lse = attend(q, tail)
+        q = q.copy()
+        q[0, 1, 1, 9] = np.nan
+        nan_rows[0, 1, 1] = True
+    else:
+        clean_out, clean_lse = attend(q, tail)
+        tail = tail.copy()
+        tail[0, 0, 1, 2, 9] = np.nan  # a key of KV head 1: query heads 2 and 3
+        nan_rows[0, 2:4] = True
+    out, lse = attend(q, tail)
+    assert np.isnan(out[nan_rows]).all() and np.isnan(lse[nan_rows]).all()
+    np.testing.assert_allclose(out[~nan_rows], clean_out[~nan_rows], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[~nan_rows], clean_lse[~nan_rows], rtol=1e-5)
+    if bad == "query":
+        assert (out[0, 3, 0] == 0).all() and lse[0, 3, 0] == -np.inf
 
 
 @pytest.mark.parametrize("impl", ("kernel", "fallback"))
@@ -1426,3 +1478,73 @@ def test_fallback_quantize_append_refuses_bad_tokens(bad):
     needles = ("non-finite",) if bad == "nan" else ("norm", "240000")
     assert_op_error(excinfo, "quantize_append", *needles)
     np.testing.assert_array_equal(np.array(old_codes), words)
+
+
+# ---------------------------------------------------------------------------
+# stream: every op takes it as MLX's own ops do
+
+
+STREAM_FORMS = {
+    "DeviceType": lambda: mx.cpu,
+    "Device": lambda: mx.Device(mx.cpu),
+    "Stream": lambda: mx.default_stream(mx.Device(mx.cpu)),
+    "new Stream": lambda: mx.new_stream(mx.Device(mx.cpu)),
+}
+
+
+def every_op_on(stream):
+    """Each op once on small valid inputs (B=1, H=2, D=64, K4V3), on ``stream``:
+    {name: its outputs}."""
+    rng = np.random.default_rng(12)
+    kc, vc = mx.array(centroids_np(64, 4)), mx.array(centroids_np(64, 3))
+
+    def cache():  # fresh buffers for each op: the in-place appends write into them
+        return [*mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 4)),
+                *mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 3))]
+
+    x = mx.array(random_tokens(rng, (1, 2, 2, 64), spread=False))
+    dense = np.zeros((1, 2, 8, 64), np.float32)
+    return {
+        "has_kernels": [mx.array(ops.has_kernels(stream))],
+        "has_ring_append": [mx.array(ops.has_ring_append(stream))],
+        "quantize_append": ops.quantize_append(*cache()[:2], x, kc, 0, 4, stream=stream),
+        "quantize_append_kv": ops.quantize_append_kv(*cache(), x, x, kc, vc, 0, 4, 3,
+                                                     stream=stream),
+        "write_tokens_kv": ops.write_tokens_kv(mx.array(dense), mx.array(dense), x, x, 1,
+                                               stream=stream),
+        "ring_append_kv": ops.ring_append_kv(*cache(), mx.array(dense), mx.array(dense), x, x,
+                                             kc, vc, 2, 3, 4, 3, stream=stream),
+        "compressed_attention": ops.compressed_attention(
+            mx.concatenate([x, x], axis=1), *cache(), kc, vc, 4, 0.125, 4, 3, stream=stream),
+        "dequantize": [ops.dequantize(*cache()[:2], kc, 4, 0, 4, stream=stream)],
+    }
+
+
+@pytest.mark.parametrize("form", STREAM_FORMS)
+def test_ops_take_every_stream_form(form):
+    # mx.cpu (a DeviceType), a Device, a Stream: the same results as the CPU's default
+    # stream gives, bit for bit.
+    want = every_op_on(mx.default_stream(mx.Device(mx.cpu)))
+    got = every_op_on(STREAM_FORMS[form]())
+    uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+    for name in want:
+        for a, b in zip(got[name], want[name]):
+            np.testing.assert_array_equal(np.array(a.view(uint[a.itemsize])),
+                                          np.array(b.view(uint[b.itemsize])), err_msg=name)
+
+
+@pytest.mark.parametrize("op", ("quantize_append", "compressed_attention", "has_kernels"))
+def test_ops_refuse_a_stream_of_another_type(op):
+    words, scales = mx_cache(*poisoned_cache(np.random.default_rng(13), 1, 2, 8, 64, 4))
+    c = mx.array(centroids_np(64, 4))
+    x = mx.zeros((1, 2, 2, 64))
+    calls = {
+        "quantize_append": lambda: ops.quantize_append(words, scales, x, c, 0, 4,
+                                                       stream="cpu"),
+        "compressed_attention": lambda: ops.compressed_attention(
+            x, words, scales, words, scales, c, c, 2, 0.125, 4, 4, stream="cpu"),
+        "has_kernels": lambda: ops.has_kernels("cpu"),
+    }
+    with pytest.raises(TypeError) as excinfo:
+        calls[op]()
+    assert_op_error(excinfo, op, "stream must be", "'cpu'")

@@ -23,6 +23,13 @@ namespace {
 
 constexpr int kChunk = 1024; // keys per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// The larger of a and b, NaN when either is: a NaN score (a NaN query, mask or cache
+// entry) makes its row NaN, as in plain attention, instead of reading as a hidden key.
+inline float nan_max(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? kNaN : std::max(a, b);
+}
 
 struct MaskView {
   const bool* bools = nullptr;
@@ -137,11 +144,11 @@ void attention_impl(
           v = mask.apply(v, b, qh, l, j0 + j);
         }
         sr[j] = v;
-        m = std::max(m, v);
+        m = nan_max(m, v);
       }
       part.max[r] = m;
-      if (m == kNegInf) {
-        std::fill(sr, sr + n, 0.0f); // nothing visible in this chunk
+      if (m == kNegInf || std::isnan(m)) {
+        std::fill(sr, sr + n, 0.0f); // nothing visible in this chunk, or a NaN row
         continue;
       }
       float sum = 0.0f;
@@ -207,7 +214,7 @@ void attention_impl(
       for (int j = 0; j < tail_len; ++j) {
         scores[j] = dot(q_rows + r * D, tk + static_cast<int64_t>(j) * D, D) * p.scale -
             shifts[static_cast<size_t>(bh) * R + r];
-        m = std::max(m, scores[j]);
+        m = nan_max(m, scores[j]);
       }
       float sum = 0.0f;
       float* acc = part.acc.data() + static_cast<size_t>(r) * D;
@@ -234,13 +241,18 @@ void attention_impl(
       float* o = out + row_index * D;
       float m = kNegInf;
       for (int c = 0; c < n_chunks; ++c) {
-        m = std::max(m, partials[bh * n_chunks + c].max[r]);
+        m = nan_max(m, partials[bh * n_chunks + c].max[r]);
       }
       if (tail) {
-        m = std::max(m, tail->max[r]);
+        m = nan_max(m, tail->max[r]);
+      }
+      if (std::isnan(m)) { // a NaN score: the row is NaN
+        std::fill(o, o + D, kNaN);
+        lse[row_index] = kNaN;
+        continue;
       }
       std::fill(o, o + D, 0.0f);
-      if (m == kNegInf) {
+      if (m == kNegInf) { // every key hidden
         lse[row_index] = kNegInf;
         continue;
       }

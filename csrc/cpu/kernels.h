@@ -13,15 +13,20 @@ namespace turboquant_mlx::cpu {
 /// not run after a failed one (RingAppend's write after its append).
 using TaskCount = std::shared_ptr<std::atomic<int>>;
 
-/// One part (tensor) of a QuantizeAppend node: its inputs from `in`, its buffers'
-/// outputs from `out`. `done` (optional) is incremented once the part is written.
-void quantize_append_part(
+/// A QuantizeAppend node, all its parts (inputs and outputs as the node's), as one task
+/// of the stream's encoder. The tokens of every part are checked and quantized into
+/// scratch before any buffer is written: a token that cannot be stored (NaN/Inf, a
+/// scale beyond float16) makes the task raise, naming prim.op(), and every buffer keeps
+/// its contents. `done` (optional) is incremented once all parts are written.
+/// `ring_slot` >= 0: x holds the tokens of ring slots [ring_slot, ring_slot + L)
+/// (RingAppend's leaving tokens), which messages name.
+void quantize_append(
     const QuantizeAppend& prim,
-    const AppendPart& part,
     const mx::Stream& s,
-    const mx::array* in,
-    mx::array* out,
-    TaskCount done = nullptr);
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    TaskCount done = nullptr,
+    int ring_slot = -1);
 
 /// Tokens [slot, slot + length) of a ring (B, H, slots, D; float32, float16 or
 /// bfloat16) as a float32 row-major array (B, H, length, D), filled by a task of the

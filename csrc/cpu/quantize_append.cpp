@@ -60,130 +60,171 @@ void take_buffer(
 
 } // namespace
 
-void quantize_append_part(
+namespace {
+
+/// One part of a QuantizeAppend node as its task reads and writes it.
+struct PartJob {
+  const float* x;
+  const float* mean; // nullptr unless centered
+  const float* centroids;
+  uint32_t* codes; // nullptr unless the node writes codes
+  mx::float16_t* scales; // nullptr unless the node writes scales
+  TQRotation rot;
+  int bits, batch, heads, length, head_dim, capacity, words;
+  const char* what; // the part in messages: "" (one part), "key " or "value "
+};
+
+/// A part's tokens, checked and quantized, not yet written.
+struct QuantizedPart {
+  std::vector<uint8_t> codes; // one per coordinate
+  std::vector<QuantizedVector> results; // one per token
+};
+
+} // namespace
+
+void quantize_append(
     const QuantizeAppend& prim,
-    const AppendPart& part,
     const mx::Stream& s,
-    const mx::array* in,
-    mx::array* out,
-    TaskCount done) {
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    TaskCount done,
+    int ring_slot) {
   const int nb = prim.buffers();
-  for (int i = 0; i < nb; ++i) {
-    take_buffer("quantize_append", in[i], out[i], prim.in_place(), s);
-  }
-  auto& x = in[nb];
-  auto& centroids = in[nb + 1];
-
+  const bool two = prim.parts().size() == 2;
   auto& encoder = mx::cpu::get_command_encoder(s);
-  encoder.set_input_array(x);
-  encoder.set_input_array(centroids);
-  for (int i = 0; i < nb; ++i) {
-    encoder.set_output_array(out[i]);
-  }
-
-  int batch = x.shape(0), heads = x.shape(1), length = x.shape(2), head_dim = x.shape(3);
-  int capacity = out[0].shape(2);
-  int words = prim.writes_codes() ? out[0].shape(3) : 0;
-  TQRotation rot = kernel_rotation(part.rotation, head_dim);
-  const float* mean_ptr = nullptr;
-  if (part.centered) {
-    encoder.set_input_array(in[nb + 2]);
-    mean_ptr = in[nb + 2].data<float>();
-  }
-  encoder.dispatch([x_ptr = x.data<float>(),
-                    mean_ptr,
-                    rot,
-                    c_ptr = centroids.data<float>(),
-                    codes_ptr = prim.writes_codes() ? out[0].data<uint32_t>() : nullptr,
-                    scales_ptr = prim.writes_scales() ? out[nb - 1].data<mx::float16_t>() : nullptr,
-                    bits = part.bits,
+  std::vector<PartJob> jobs;
+  int index = 0;
+  prim.walk_parts([&](const AppendPart& part, size_t in_at, size_t out_at) {
+    const mx::array* in = &inputs[in_at];
+    mx::array* out = &outputs[out_at];
+    for (int i = 0; i < nb; ++i) {
+      take_buffer("quantize_append", in[i], out[i], prim.in_place(), s);
+    }
+    auto& x = in[nb];
+    encoder.set_input_array(x);
+    encoder.set_input_array(in[nb + 1]);
+    if (part.centered) {
+      encoder.set_input_array(in[nb + 2]);
+    }
+    for (int i = 0; i < nb; ++i) {
+      encoder.set_output_array(out[i]);
+    }
+    const int head_dim = x.shape(3);
+    jobs.push_back(PartJob{
+        x.data<float>(),
+        part.centered ? in[nb + 2].data<float>() : nullptr,
+        in[nb + 1].data<float>(),
+        prim.writes_codes() ? out[0].data<uint32_t>() : nullptr,
+        prim.writes_scales() ? out[nb - 1].data<mx::float16_t>() : nullptr,
+        kernel_rotation(part.rotation, head_dim),
+        part.bits,
+        x.shape(0),
+        x.shape(1),
+        x.shape(2),
+        head_dim,
+        out[0].shape(2),
+        prim.writes_codes() ? out[0].shape(3) : 0,
+        two ? (index == 0 ? "key " : "value ") : ""});
+    ++index;
+  });
+  encoder.dispatch([jobs = std::move(jobs),
+                    op = prim.op(),
                     offset = prim.offset(),
-                    batch,
-                    heads,
-                    length,
-                    head_dim,
-                    capacity,
-                    words,
+                    ring_slot,
                     done]() {
-    int n_vectors = batch * heads * length;
-    // Refuse non-finite input before writing anything, so a bad token never lands
-    // in the cache.
-    auto where = [&](int v) {
-      return message(
-          "token ", v % length, " of head ", (v / length) % heads, " (batch ",
-          v / (length * heads), ")");
+    // Every part's tokens are checked and quantized into scratch first; a refusal
+    // raises before any buffer is written.
+    auto refuse = [op](const auto&... args) {
+      throw std::invalid_argument(
+          message("[turboquant_mlx.", op, "] ", args..., "; nothing was written."));
     };
-    for (int v = 0; v < n_vectors; ++v) {
-      const float* y = x_ptr + static_cast<int64_t>(v) * head_dim;
-      for (int i = 0; i < head_dim; ++i) {
-        if (!std::isfinite(y[i])) {
-          throw std::invalid_argument(message(
-              "[turboquant_mlx.quantize_append] ", where(v), " has a non-finite value ", y[i],
-              " at coordinate ", i, "; nothing was written."));
-        }
-      }
-    }
-    const float* y_ptr = x_ptr;
-    // A centered cache's tokens: minus their head's mean first, into scratch.
-    std::vector<float> centered;
-    if (mean_ptr) {
-      centered.resize(static_cast<size_t>(n_vectors) * head_dim);
+    std::vector<QuantizedPart> quantized(jobs.size());
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const PartJob& job = jobs[j];
+      const int length = job.length, heads = job.heads, head_dim = job.head_dim;
+      const int n_vectors = job.batch * heads * length;
+      auto where = [&](int v) {
+        return message(
+            job.what, ring_slot >= 0 ? "ring slot " : "token ",
+            (ring_slot >= 0 ? ring_slot : 0) + v % length, " of head ", (v / length) % heads,
+            " (batch ", v / (length * heads), ")");
+      };
       for (int v = 0; v < n_vectors; ++v) {
-        const float* m = mean_ptr + static_cast<int64_t>(v / length) * head_dim;
+        const float* y = job.x + static_cast<int64_t>(v) * head_dim;
         for (int i = 0; i < head_dim; ++i) {
-          const float c = x_ptr[static_cast<int64_t>(v) * head_dim + i] - m[i];
-          if (!std::isfinite(c)) {
-            throw std::invalid_argument(message(
-                "[turboquant_mlx.quantize_append] mean has a non-finite value ", m[i],
-                " at coordinate ", i, " of head ", (v / length) % heads, "; nothing was written."));
+          if (!std::isfinite(y[i])) {
+            refuse(where(v), " has a non-finite value ", y[i], " at coordinate ", i);
           }
-          centered[static_cast<size_t>(v) * head_dim + i] = c;
         }
       }
-      y_ptr = centered.data();
-    }
-    // Model-space tokens: rotate them first, into scratch.
-    std::vector<float> rotated;
-    if (rot.on) {
-      rotated = rotated_rows(y_ptr, n_vectors, head_dim, rot.sign_bits, rot.scale);
-      y_ptr = rotated.data();
-    }
-    // Quantize everything into scratch first, so that a token whose scale does not
-    // fit float16 is refused before anything is written.
-    auto bounds = boundaries(c_ptr, bits);
-    std::vector<uint8_t> codes(static_cast<size_t>(n_vectors) * head_dim);
-    std::vector<QuantizedVector> results(n_vectors);
-    parallel_for(
-        n_vectors,
-        [&](int v) {
-          results[v] = quantize_vector(
-              y_ptr + static_cast<int64_t>(v) * head_dim,
-              head_dim,
-              c_ptr,
-              bounds,
-              codes.data() + static_cast<size_t>(v) * head_dim);
-        },
-        /* min_items = */ 256);
-    for (int v = 0; v < n_vectors; ++v) {
-      if (!(results[v].scale <= kMaxFloat16)) {
-        throw std::invalid_argument(message(
-            "[turboquant_mlx.quantize_append] ", where(v), " has norm ", results[v].norm,
-            ": its scale ", results[v].scale, " exceeds the float16 range (", kMaxFloat16,
-            "); nothing was written."));
+      const float* y_ptr = job.x;
+      // A centered cache's tokens: minus their head's mean first, into scratch.
+      std::vector<float> centered;
+      if (job.mean) {
+        centered.resize(static_cast<size_t>(n_vectors) * head_dim);
+        for (int v = 0; v < n_vectors; ++v) {
+          const float* m = job.mean + static_cast<int64_t>(v / length) * head_dim;
+          for (int i = 0; i < head_dim; ++i) {
+            const float c = job.x[static_cast<int64_t>(v) * head_dim + i] - m[i];
+            if (!std::isfinite(m[i])) {
+              refuse(job.what, "mean has a non-finite value ", m[i], " at coordinate ", i,
+                     " of head ", (v / length) % heads);
+            }
+            if (!std::isfinite(c)) {
+              refuse(where(v), " minus the mean overflows at coordinate ", i);
+            }
+            centered[static_cast<size_t>(v) * head_dim + i] = c;
+          }
+        }
+        y_ptr = centered.data();
+      }
+      // Model-space tokens: rotate them first, into scratch.
+      std::vector<float> rotated;
+      if (job.rot.on) {
+        rotated = rotated_rows(y_ptr, n_vectors, head_dim, job.rot.sign_bits, job.rot.scale);
+        y_ptr = rotated.data();
+      }
+      // A token whose scale does not fit float16 is refused too.
+      auto bounds = boundaries(job.centroids, job.bits);
+      QuantizedPart& q = quantized[j];
+      q.codes.resize(static_cast<size_t>(n_vectors) * head_dim);
+      q.results.resize(n_vectors);
+      parallel_for(
+          n_vectors,
+          [&](int v) {
+            q.results[v] = quantize_vector(
+                y_ptr + static_cast<int64_t>(v) * head_dim,
+                head_dim,
+                job.centroids,
+                bounds,
+                q.codes.data() + static_cast<size_t>(v) * head_dim);
+          },
+          /* min_items = */ 256);
+      for (int v = 0; v < n_vectors; ++v) {
+        if (!(q.results[v].scale <= kMaxFloat16)) {
+          refuse(where(v), " has norm ", q.results[v].norm, ": its scale ", q.results[v].scale,
+                 " exceeds the float16 range (", kMaxFloat16, ")");
+        }
       }
     }
-    for (int v = 0; v < n_vectors; ++v) {
-      int bh = v / length, t = offset + v % length;
-      int64_t slot = static_cast<int64_t>(bh) * capacity + t;
-      if (codes_ptr) {
-        pack_codes(
-            codes.data() + static_cast<size_t>(v) * head_dim,
-            head_dim,
-            bits,
-            codes_ptr + slot * words);
-      }
-      if (scales_ptr) {
-        scales_ptr[slot] = static_cast<mx::float16_t>(results[v].scale);
+    // Every part passed: write them all.
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const PartJob& job = jobs[j];
+      const QuantizedPart& q = quantized[j];
+      const int n_vectors = job.batch * job.heads * job.length;
+      for (int v = 0; v < n_vectors; ++v) {
+        int bh = v / job.length, t = offset + v % job.length;
+        int64_t slot = static_cast<int64_t>(bh) * job.capacity + t;
+        if (job.codes) {
+          pack_codes(
+              q.codes.data() + static_cast<size_t>(v) * job.head_dim,
+              job.head_dim,
+              job.bits,
+              job.codes + slot * job.words);
+        }
+        if (job.scales) {
+          job.scales[slot] = static_cast<mx::float16_t>(q.results[v].scale);
+        }
       }
     }
     if (done) {

@@ -98,15 +98,15 @@ def quantize(x_rot: mx.array, centroids: mx.array, bits: int):
     return codes, scale[..., 0].astype(mx.float16)
 
 
-def _check_finite(x: mx.array):
+def _check_finite(x: mx.array, op: str = "quantize_append"):
     if not mx.all(mx.isfinite(x)).item():
         raise ValueError(
-            "[turboquant_mlx.quantize_append] input has non-finite values (NaN or Inf); "
+            f"[turboquant_mlx.{op}] input has non-finite values (NaN or Inf); "
             "nothing was written."
         )
 
 
-def _check_scales(x: mx.array, scales: mx.array):
+def _check_scales(x: mx.array, scales: mx.array, op: str = "quantize_append"):
     """Refuses tokens whose float16 scale (norm / ||c||) overflows to inf."""
     overflow = np.array(mx.logical_not(mx.isfinite(scales)))
     if overflow.any():
@@ -114,18 +114,20 @@ def _check_scales(x: mx.array, scales: mx.array):
         norms = np.array(mx.sqrt(mx.sum(y * y, axis=-1)))
         b, h, t = np.argwhere(overflow)[0]
         raise ValueError(
-            f"[turboquant_mlx.quantize_append] token {t} of head {h} (batch {b}) has norm "
+            f"[turboquant_mlx.{op}] token {t} of head {h} (batch {b}) has norm "
             f"{norms[b, h, t]:g}: its scale exceeds the float16 range (65504); "
             "nothing was written."
         )
 
 
-def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int):
+def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int, *,
+                    op: str = "quantize_append"):
     """Fallback of ops.quantize_append on rotated tokens (same contract; costs a buffer
-    copy). ops.quantize_append centers and rotates model-space tokens first."""
-    _check_finite(x_rot)
+    copy; refusals name ``op``). ops.quantize_append centers and rotates model-space
+    tokens first."""
+    _check_finite(x_rot, op)
     q, s = quantize(x_rot, centroids, bits)
-    _check_scales(x_rot, s)
+    _check_scales(x_rot, s, op)
     length = x_rot.shape[2]
     codes = mx.array(codes)
     scales = mx.array(scales)
@@ -206,7 +208,9 @@ def compressed_attention(
         v = mx.concatenate([v, tail_v.astype(mx.float32)], axis=2)
         kv_len += T
     lse = mx.logsumexp(scores, axis=-1)
-    visible = lse > -np.inf
+    # A row that sees no key is 0 with lse -inf; a NaN score (a NaN query, say) makes
+    # its row NaN, as the CPU kernel does.
+    visible = lse != neg_inf
     probs = mx.exp(scores - mx.where(visible, lse, 0.0)[..., None])
     probs = mx.where(visible[..., None], probs, 0.0)
     out = probs.reshape(B, n_kv, G, L, kv_len) @ v[:, :, None]

@@ -28,23 +28,40 @@ __all__ = [
 words_per_token = _ext.words_per_token
 
 
-def _device(stream) -> mx.Device:
+def _device(stream, op: str) -> mx.Device:
+    """The device of an op's ``stream`` argument: None (the default device), an
+    ``mx.Stream``, an ``mx.Device``, or ``mx.cpu`` / ``mx.gpu`` (an ``mx.DeviceType``),
+    as MLX's own ops take it."""
     if stream is None:
         return mx.default_device()
-    return stream if isinstance(stream, mx.Device) else stream.device
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    if isinstance(stream, mx.Device):
+        return stream
+    if isinstance(stream, mx.DeviceType):
+        return mx.Device(stream)
+    raise TypeError(
+        f"[turboquant_mlx.{op}] stream must be None, an mx.Stream, an mx.Device, mx.cpu "
+        f"or mx.gpu, got {stream!r}."
+    )
 
 
 _gpu_kernels = None  # whether this build has kernels for the GPU (asked once)
 
 
-def has_kernels(stream=None) -> bool:
-    """Whether the ops run hand-written kernels (not the fallback) on ``stream``."""
+def _has_kernels(stream, op: str) -> bool:
     global _gpu_kernels
     if _gpu_kernels is None:
         _gpu_kernels = bool(_ext.gpu_available())
-    # Every op call asks: a build with GPU kernels has them on every device, and then
-    # the stream need not be looked at.
-    return _gpu_kernels or _device(stream).type == mx.cpu
+    device = _device(stream, op)  # (checks the argument whatever the build)
+    # Every op call asks: a build with GPU kernels has them on every device.
+    return _gpu_kernels or device.type == mx.cpu
+
+
+def has_kernels(stream=None) -> bool:
+    """Whether the ops run hand-written kernels (not the fallback) on ``stream`` (a
+    stream, a device, or ``mx.cpu`` / ``mx.gpu``, as every op's ``stream`` is)."""
+    return _has_kernels(stream, "has_kernels")
 
 
 def quantize_append(
@@ -78,24 +95,39 @@ def quantize_append(
     ``offset``: :class:`~turboquant_mlx.TurboQuantKVCache` uses it. The plain-MLX
     fallback ignores it (it always copies).
 
+    A token that cannot be stored (NaN/Inf, or a scale ``norm / ||c||`` beyond float16)
+    is refused on the CPU: evaluating the result raises (``RuntimeError``, the message
+    starting ``[turboquant_mlx.quantize_append]``) and the buffers keep every bit, also
+    with ``in_place``; the fallback raises ``ValueError`` at the call. GPU kernels cannot
+    refuse without making the host wait for the device: they store such a token, with a
+    NaN or infinite scale. Arguments of the wrong shape, dtype or range are refused at
+    the call on every device, before anything is built.
+
     Returns:
         tuple[array, array]: updated ``(codes, scales)``. Drop your references to the
         old arrays so the primitive can reuse their buffers (O(L) instead of a copy).
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "quantize_append"):
         codes, scales = _ext.quantize_append(
             codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
             mean=mean, in_place=in_place, stream=stream,
         )
         return codes, scales
+    return _fallback_append(codes, scales, x, centroids, offset, bits, rotation_signs, mean,
+                            stream, "quantize_append")
+
+
+def _fallback_append(codes, scales, x, centroids, offset, bits, rotation_signs, mean, stream,
+                     op):
+    """quantize_append with the plain-MLX fallback; its refusals name ``op``."""
     _ext.words_per_token(x.shape[-1], bits)  # same validation as the kernel path
     with mx.stream(stream) if stream is not None else _nullcontext():
         if mean is not None:
-            fallback._check_finite(x)
+            fallback._check_finite(x, op)
             x = x.astype(mx.float32) - mean.astype(mx.float32)
         if rotation_signs is not None:
             x = fallback.rotate(x, rotation_signs)
-        return fallback.quantize_append(codes, scales, x, centroids, offset, bits)
+        return fallback.quantize_append(codes, scales, x, centroids, offset, bits, op=op)
 
 
 def quantize_append_kv(
@@ -123,35 +155,50 @@ def quantize_append_kv(
     one node instead of four (at short context a step's time is its nodes' host cost).
     Keys and values bring the same number of tokens into caches of the same capacity.
 
+    Refusals are :func:`quantize_append`'s, named ``quantize_append_kv``; on the CPU a
+    refused call writes neither tensor (the keys' buffers stay as they were when only
+    the values are refused).
+
     Returns:
         tuple[array, array, array, array]: ``(k_codes, k_scales, v_codes, v_scales)``.
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "quantize_append_kv"):
         return tuple(_ext.quantize_append_kv(
             k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids,
             offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
             value_rotation_signs=value_rotation_signs, key_mean=key_mean,
             value_mean=value_mean, stream=stream,
         ))
+    return _fallback_append_kv(
+        k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
+        key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
+        stream, "quantize_append_kv",
+    )
+
+
+def _fallback_append_kv(k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids,
+                        v_centroids, offset, key_bits, value_bits, key_rotation_signs,
+                        value_rotation_signs, key_mean, value_mean, stream, op):
+    """quantize_append_kv with the plain-MLX fallback; its refusals name ``op``. Nothing
+    is written in place, so a refused value leaves the key buffers as they were too."""
     if keys.shape[2:3] != values.shape[2:3]:
         raise ValueError(
-            f"[turboquant_mlx.quantize_append_kv] keys {tuple(keys.shape)} and values "
+            f"[turboquant_mlx.{op}] keys {tuple(keys.shape)} and values "
             f"{tuple(values.shape)} must bring the same tokens."
         )
-    kc, ks = quantize_append(k_codes, k_scales, keys, k_centroids, offset, key_bits,
-                             rotation_signs=key_rotation_signs, mean=key_mean, stream=stream)
-    vc, vs = quantize_append(v_codes, v_scales, values, v_centroids, offset, value_bits,
-                             rotation_signs=value_rotation_signs, mean=value_mean,
-                             stream=stream)
+    kc, ks = _fallback_append(k_codes, k_scales, keys, k_centroids, offset, key_bits,
+                              key_rotation_signs, key_mean, stream, op)
+    vc, vs = _fallback_append(v_codes, v_scales, values, v_centroids, offset, value_bits,
+                              value_rotation_signs, value_mean, stream, op)
     return kc, ks, vc, vs
 
 
 _METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal kernel)
 
 
-def _has_write_kernel(stream) -> bool:
+def _has_write_kernel(stream, op: str) -> bool:
     """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
-    return has_kernels(stream) and (not _METAL_BUILD or _device(stream).type == mx.cpu)
+    return _has_kernels(stream, op) and (not _METAL_BUILD or _device(stream, op).type == mx.cpu)
 
 
 def write_tokens_kv(
@@ -173,10 +220,15 @@ def write_tokens_kv(
     updates, which MLX makes in place when nothing else holds the buffer and as a copy
     otherwise.
 
+    Tokens that share memory with the slots they are written to (a view of one of the
+    buffers over those slots) are refused when the result is evaluated (``ValueError``),
+    before anything is written: the copy would read tokens it had overwritten. Pass a
+    copy of them.
+
     Returns:
         tuple[array, array]: ``(k_buffer, v_buffer)``.
     """
-    if _has_write_kernel(stream):
+    if _has_write_kernel(stream, "write_tokens_kv"):
         return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
                                           after=list(after), stream=stream))
     n = keys.shape[2]
@@ -189,7 +241,7 @@ def write_tokens_kv(
 def has_ring_append(stream=None) -> bool:
     """Whether :func:`ring_append_kv` is one node on ``stream`` (CPU and CUDA; on Metal,
     and without GPU kernels, it is an append and a write)."""
-    return _has_write_kernel(stream)
+    return _has_write_kernel(stream, "has_ring_append")
 
 
 def ring_append_kv(
@@ -222,12 +274,15 @@ def ring_append_kv(
     where :func:`has_ring_append` says so: a window preset's decode step then updates
     its window with one node, and the leaving tokens need no arrays of their own. On
     the CPU a leaving token that cannot be quantized (NaN/Inf, a scale beyond float16)
-    raises as :func:`quantize_append` does, and the rings are then not written.
+    raises as :func:`quantize_append` does (named ``ring_append_kv``, the message
+    giving its ring slot), and then nothing is written: neither compressed cache, nor
+    the rings. New tokens that share memory with the slots they take are refused as
+    :func:`write_tokens_kv` refuses them.
 
     Returns:
         tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
     """
-    if has_ring_append(stream):
+    if _has_write_kernel(stream, "ring_append_kv"):
         return tuple(_ext.ring_append_kv(
             k_codes, k_scales, v_codes, v_scales, k_ring, v_ring, keys, values,
             k_centroids, v_centroids, offset, slot, key_bits, value_bits,
@@ -236,12 +291,19 @@ def ring_append_kv(
         ))
     n = keys.shape[2]
     leaving_k, leaving_v = k_ring[:, :, slot : slot + n], v_ring[:, :, slot : slot + n]
-    codes = quantize_append_kv(
-        k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
-        v_centroids, offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
-        value_rotation_signs=value_rotation_signs, key_mean=key_mean,
-        value_mean=value_mean, stream=stream,
-    )
+    if _has_kernels(stream, "ring_append_kv"):  # (Metal: an append node, then the write)
+        codes = quantize_append_kv(
+            k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
+            v_centroids, offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
+            value_rotation_signs=value_rotation_signs, key_mean=key_mean,
+            value_mean=value_mean, stream=stream,
+        )
+    else:
+        codes = _fallback_append_kv(
+            k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
+            v_centroids, offset, key_bits, value_bits, key_rotation_signs,
+            value_rotation_signs, key_mean, value_mean, stream, "ring_append_kv",
+        )
     rings = write_tokens_kv(k_ring, v_ring, keys, values, slot,
                             after=list(after) + list(codes), stream=stream)
     return tuple(codes) + tuple(rings)
@@ -293,12 +355,17 @@ def compressed_attention(
     ``out_dtype`` (float32 when None; float16 or bfloat16): ``out`` in that dtype, as
     the kernels write it (a decode step's layer output then needs no conversion node).
 
+    A query row that sees no key (all masked) is 0 with an lse of ``-inf``. A NaN score
+    (a NaN query, mask value or tail token) is not taken for a hidden key: its row of
+    ``out`` and its lse are NaN, as in plain attention (the CPU kernel and the fallback;
+    the GPU kernels are not held to it).
+
     Returns:
         tuple[array, array]: ``out`` ``(B, Hq, L, D)`` (``out_dtype``; rotated space, or
         model space with ``rotation_signs`` and ``rotate_output``) and the float32
         log-sum-exp ``(B, Hq, L)`` of the scaled, masked scores (of the uncentered keys).
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "compressed_attention"):
         out, lse = _ext.compressed_attention(
             q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
             kv_len, scale, key_bits, value_bits, causal, mask,
