@@ -402,7 +402,7 @@ def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *,
     add its own tokens with in-place slice updates instead of a concatenation that
     would copy the decoded tokens again (the prefill's keys and values).
     """
-    if has_kernels(stream):
+    if _has_kernels(stream, "dequantize"):
         return _ext.dequantize(codes, scales, centroids, bits, start, length, dtype=dtype,
                                before=before, after=after, stream=stream)
     with mx.stream(stream) if stream is not None else _nullcontext():
