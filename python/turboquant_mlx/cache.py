@@ -1515,8 +1515,8 @@ class TurboQuantKVCache(_BaseCache):
             outs = [attend(a, min(a + chunk, L)) for a in range(0, L, chunk)]
             out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
         signs, matrix, rot_scale, _, mu_v = self._model_space_args()
-        return _tail_decode_output(out, signs, matrix, rot_scale, mu_v if centered else None,
-                                   queries)
+        to_model = _fused_tail_decode_output if _COMPILE else _tail_decode_output
+        return to_model(out, signs, matrix, rot_scale, mu_v if centered else None, queries)
 
     def _prefill_operands(self, queries, uncentered=False):
         """``(q, k, v, centered)`` of a prefill attention call, in the queries' dtype.
@@ -1536,15 +1536,19 @@ class TurboQuantKVCache(_BaseCache):
         n_comp = max(0, min(c, self._exact_from() - S))
         segments = self._dense_segments(self.offset)
         signs, matrix, rot_scale = self._rotation.params()
-        q = _queries_to_codes(queries, self._key_scale, signs, matrix, rot_scale, True)
+        # A prompt's blocks have the same shapes (but its last): compiled, each of these
+        # transforms is a kernel or two instead of about ten (see _COMPILE).
+        to_codes = _fused_to_code_space if _COMPILE else _to_code_space
+        queries_to_codes = _fused_queries_to_codes if _COMPILE else _queries_to_codes
+        q = queries_to_codes(queries, self._key_scale, signs, matrix, rot_scale, True)
 
         def code_space(segs):
             if not segs:
                 return None, None
             k = segs[0][0] if len(segs) == 1 else mx.concatenate([s[0] for s in segs], axis=2)
             v = segs[0][1] if len(segs) == 1 else mx.concatenate([s[1] for s in segs], axis=2)
-            k, v = _to_code_space(k, v, self._mu_k, self._mu_v, self._key_scale, signs, matrix,
-                                  rot_scale, self.rotate_values)
+            k, v = to_codes(k, v, self._mu_k, self._mu_v, self._key_scale, signs, matrix,
+                            rot_scale, self.rotate_values)
             return k.astype(dtype), v.astype(dtype)
 
         if n_comp == 0:
