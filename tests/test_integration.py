@@ -373,3 +373,15 @@ def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama):
     reference = TurboQuantKVCache(4, 4)
     reference.update_and_fetch(k, v)
     assert mx.array_equal(out, reference.attention(q, scale=0.125, mask=None))
+
+
+def test_unsupported_head_dim_is_refused_when_the_cache_is_made():
+    # Head dim 80 (phi-2-like): the kernels take multiples of 32, so make_prompt_cache
+    # refuses naming the layer, before any forward pass would fail inside it; kept in
+    # fp16, the layer works and the others are compressed.
+    model = build_model("llama_d128", head_dim=80)
+    with pytest.raises(ValueError, match=r"layer 0 .*head dim 80.*fp16_layers"):
+        make_prompt_cache(model, "tq4")
+    cache = make_prompt_cache(model, "tq4", fp16_layers=range(len(model.layers)))
+    assert all(type(c) is KVCache for c in cache)
+    _run(model, cache, _tokens(12, seed=1), [12])

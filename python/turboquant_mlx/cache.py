@@ -2577,11 +2577,37 @@ def make_prompt_cache(
             continue
         if cfg["key_bits"] is None or cfg["value_bits"] is None:
             raise ValueError(f"{_PREFIX} layer {i}: key_bits and value_bits are required.")
+        _check_layer_head_dim(model, i, cfg)
         caches[i] = TurboQuantKVCache(
             seed=layer_seed(seed, i), prefill_budget_bytes=prefill_budget_bytes,
             window_dtype=window_dtype, rotate_values=fold is None or not fold.folds(i), **cfg
         )
     return _fold_checked(fold, caches)
+
+
+def _check_layer_head_dim(model, i: int, cfg: Mapping[str, Any]):
+    """Refuses, before any token is seen, a layer whose head dim the kernels do not
+    take (read from the layer's attention module where it says, as mlx-lm's do)."""
+    try:
+        layer = model.layers[i]
+    except (AttributeError, IndexError, TypeError):
+        return
+    for name in ("self_attn", "attention", "attn", "mixer"):
+        attn = getattr(layer, name, None)
+        head_dim = getattr(attn, "head_dim", None)
+        if isinstance(head_dim, (int, np.integer)):
+            break
+    else:
+        return
+    for bits in {cfg["key_bits"], cfg["value_bits"]}:
+        try:
+            ops.words_per_token(int(head_dim), bits)
+        except ValueError as e:
+            raise ValueError(
+                f"{_PREFIX} layer {i} ({name} of {type(layer).__name__}) has head dim "
+                f"{head_dim}, which the compressed cache does not support ({e}); keep it in "
+                f"fp16 with fp16_layers={{{i}}} or layer_overrides={{{i}: 'fp16'}}."
+            ) from None
 
 
 def _fold_checked(fold, caches: List[Any]) -> List[Any]:
