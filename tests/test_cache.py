@@ -99,13 +99,61 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
             got = np.array(cache.attention(q, 0.1, "causal").astype(mx.float32))
             ref.attend(q, 0.1, "causal")
             _check_contents(cache, ref)
-            Kc, Vc = _seen_by_block(cache, k, v)
-            want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
+            if n > cache.decode_max_queries:
+                Kc, Vc = _seen_by_block(cache, k, v)
+                want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
+            else:
+                want = np.array(_expected_steps(cache, _arrived(cache, ref), q, 0.1, "causal",
+                                                calibrated_at=ref.calibrated_until))
             tol = (TOL if dtype == mx.float32 else 2e-2) * _magnitude(want)
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"chunk of {n}")
     _check_contents(cache, ref)
     K, V = cache.dequantized_keys_values(mx.float32)
+    cache.arrived = _arrived(cache, ref)  # (for _expected_steps)
     return cache, K, V
+
+
+def _arrived(cache, ref):
+    """Every token the cache holds as it arrived (rounded to its fp16 storage dtype),
+    float32, from the reference that was fed the same tokens."""
+    return mx.array(ref.k), mx.array(ref.v)
+
+
+def _expected_steps(cache, arrived, q, scale, mask, sinks=None, calibrated_at=None):
+    """What the last ``L <= decode_max_queries`` positions' queries ``q`` must get: each
+    sees the cache as a single-token step at its position would, the non-sink tokens
+    before ``p + 1 - fp16_recent_tokens`` through their codes (as
+    ``dequantized_keys_values`` shows them) and the others as they arrived
+    (``arrived``, see _arrived); except tokens older than the window buffer (its
+    ``rollback_tokens`` slack), which exist only quantized. Queries before the position
+    whose step calibrated the levers (``calibrated_at``: one past it, as
+    DequantizedReferenceCache.calibrated_until) see every token as it arrived. For a
+    cache that saw no trims."""
+    K, V = cache.dequantized_keys_values(mx.float32)
+    Ka, Va = arrived
+    N, L = cache.offset, q.shape[2]
+    S, R = cache.fp16_sink_tokens, cache.fp16_recent_tokens
+    oldest = max(S, N - R - cache.rollback_tokens)  # first position held in fp16
+    pos = np.arange(N)
+    outs = []
+    for i in range(L):
+        p = N - L + i
+        if not cache.calibrated or (calibrated_at is not None and p < calibrated_at - 1):
+            exact = pos >= 0
+        elif R:
+            exact = (pos < S) | (pos >= max(S, p + 1 - R, oldest))
+        else:
+            exact = pos < S
+        sel = mx.array(exact)[None, None, :, None]
+        Ki, Vi = mx.where(sel, Ka, K), mx.where(sel, Va, V)
+        if isinstance(mask, str):
+            m = mx.array(pos <= p)[None]
+        elif isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+            m = mask[..., i : i + 1, :]
+        else:
+            m = mask
+        outs.append(_expected(q[:, :, i : i + 1], Ki, Vi, scale, m, sinks))
+    return mx.concatenate(outs, axis=2)
 
 
 def _seen_by_block(cache, k, v):
@@ -253,11 +301,18 @@ def test_attention_matches_reference(layout, L):
     q = _rand(rng, (B, Hq, L, D))
     sinks = _rand(rng, (Hq,))
     tol = TOL * _magnitude(V)
+
+    def expected(mask, sinks=None):
+        # Decode and verification blocks: each query as a single-token step sees the cache.
+        if L <= cache.decode_max_queries:
+            return _expected_steps(cache, cache.arrived, q, 0.2, mask, sinks)
+        return _expected(q, K, V, 0.2, mask, sinks)
+
     for mask in _masks(rng, L, N, B, Hq):
-        want = _expected(q, K, V, 0.2, mask)
+        want = expected(mask)
         got = cache.attention(q, scale=0.2, mask=mask)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=tol, err_msg=str(mask)[:20])
-    want = _expected(q, K, V, 0.2, "causal", sinks=sinks)
+    want = expected("causal", sinks=sinks)
     np.testing.assert_allclose(
         np.array(cache.attention(q, 0.2, "causal", sinks=sinks)), np.array(want), atol=tol
     )
@@ -327,7 +382,7 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
         monkeypatch.setattr(tq_cache, "_COMPILE", False)
         eager = np.array(cache.attention(q, 0.2, "causal"))
         np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))
-        want = _expected(q, K, V, 0.2, "causal")
+        want = _expected_steps(cache, cache.arrived, q, 0.2, "causal")
         np.testing.assert_allclose(fused, np.array(want), atol=TOL * _magnitude(V))
 
 
@@ -1247,7 +1302,7 @@ def test_queries_cover_the_whole_short_cache(L):
                                                           fp16_recent_tokens=2)):
         cache, K, V = _filled(rng, [L], **layout)
         q = _rand(rng, (1, 4, L, 64))
-        want = _expected(q, K, V, 0.3, "causal")
+        want = _expected_steps(cache, cache.arrived, q, 0.3, "causal")
         np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want),
                                    atol=TOL * _magnitude(V))
 
@@ -1572,3 +1627,92 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     q = _rand(rng, (B, 2 * H, 1, D))
     np.testing.assert_array_equal(np.array(restored.attention(q, 0.125, "causal")),
                                   np.array(immediate.attention(q, 0.125, "causal")))
+
+
+# ---------------------------------------------------------------------------
+# speculative decoding: verification blocks and trims
+
+# Every compressed preset: those with an fp16 window (which a verification block's
+# later tokens push its earlier queries' tokens out of) and those without (whose levers
+# calibrate inside a verification block all the same).
+SPECULATIVE_PRESETS = [n for n, p in PRESETS.items() if p.compressed]
+
+
+def _preset_cache(name, **kw):
+    p = PRESETS[name]
+    return TurboQuantKVCache(
+        p.key_bits, p.value_bits, seed=5, fp16_sink_tokens=p.fp16_sink_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens, center=p.center,
+        query_aware_keys=p.query_aware_keys, **kw)
+
+
+def _same_contents(a, b, what):
+    assert a.offset == b.offset and a.calibrated == b.calibrated, what
+    ka, va = a.dequantized_keys_values()
+    kb, vb = b.dequantized_keys_values()
+    for x, y in ((ka, kb), (va, vb)):
+        np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=what)
+    assert a._q_count == b._q_count, what
+    for x, y in zip(a._lever_arrays(), b._lever_arrays()):
+        assert (x is None) == (y is None), what
+        if x is not None:
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=what)
+
+
+@pytest.mark.parametrize("preset", SPECULATIVE_PRESETS)
+def test_verification_and_trim_equal_single_token_steps(preset):
+    # Speculative decoding: a block of the next token and 3 drafts is verified, then the
+    # rejected drafts (0 to 3) are trimmed. Each query of the block must get what a
+    # single-token step at its position gets (it sees the same tokens quantized and the
+    # same in fp16), and after the trim the cache must be the one that decoded the
+    # accepted tokens one at a time: the same tokens quantized from the same fp16
+    # values, and the levers calibrated at the same position from the same tokens and
+    # queries (not from drafts). The prompt is short, so that the calibration (at the
+    # 32nd non-sink token) falls inside a verification block; a prefill block later
+    # brings the window close to full, so that the later blocks push tokens out of it.
+    p = PRESETS[preset]
+    R = p.fp16_recent_tokens
+    rng = np.random.default_rng(8)
+    B, H, D = 1, 2, 64
+    T = 10 + 40 + (R + 8) + 40
+    K, V = _biased(rng, (B, H, T, D)), _biased(rng, (B, H, T, D))
+    Q = _queries(rng, (B, 2 * H, T, D))
+    spec, plain = _preset_cache(preset), _preset_cache(preset)
+    for c in (spec, plain):
+        c.update_and_fetch(K[:, :, :10], V[:, :, :10])
+        c.attention(Q[:, :, :10], 0.125, "causal")
+    pos, rounds = 10, 0
+    pattern = [3, 0, 1, 2, 3, 3, 0, 2, 1, 0]  # drafts accepted per round
+    tol = 1e-5 * _magnitude(V)
+
+    def verify_until(end):
+        nonlocal pos, rounds
+        while pos < end:
+            accepted = pattern[rounds % len(pattern)]
+            rounds += 1
+            n = accepted + 1  # tokens kept: the verified token and the accepted drafts
+            junk = [_rand(rng, (B, H, 4 - n, D)) for _ in range(2)] + [
+                _rand(rng, (B, 2 * H, 4 - n, D))]
+            spec.update_and_fetch(mx.concatenate([K[:, :, pos : pos + n], junk[0]], axis=2),
+                                  mx.concatenate([V[:, :, pos : pos + n], junk[1]], axis=2))
+            got = spec.attention(mx.concatenate([Q[:, :, pos : pos + n], junk[2]], axis=2),
+                                 0.125, "causal")
+            assert spec.trim(4 - n) == 4 - n
+            for i in range(n):
+                plain.update_and_fetch(K[:, :, pos + i : pos + i + 1],
+                                       V[:, :, pos + i : pos + i + 1])
+                want = plain.attention(Q[:, :, pos + i : pos + i + 1], 0.125, "causal")
+                np.testing.assert_allclose(np.array(got[:, :, i : i + 1]), np.array(want),
+                                           atol=tol, rtol=0, err_msg=f"position {pos + i}")
+            pos += n
+            _same_contents(spec, plain, f"after the block at {pos - n}, {4 - n} trimmed")
+
+    verify_until(50)
+    if p.center:
+        assert spec.calibrated  # (in a verification block)
+    for c in (spec, plain):
+        c.update_and_fetch(K[:, :, pos : pos + R + 8], V[:, :, pos : pos + R + 8])
+        c.attention(Q[:, :, pos : pos + R + 8], 0.125, "causal")
+    pos += R + 8
+    verify_until(T - 4)
+    assert spec._n_comp > 0
