@@ -7,6 +7,7 @@ NumPy reference codec reconstructs (lm_helpers.DequantizedReferenceCache), fed t
 identical tokens, so the tolerance is float32 rounding.
 """
 
+import collections
 import copy
 import sys
 import types
@@ -1716,3 +1717,115 @@ def test_verification_and_trim_equal_single_token_steps(preset):
     pos += R + 8
     verify_until(T - 4)
     assert spec._n_comp > 0
+
+
+# ---------------------------------------------------------------------------
+# refused updates
+
+def _arrays_in(x):
+    """The mx.arrays in an attribute value (nested in tuples, lists, deques)."""
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (tuple, list, collections.deque)):
+        return [a for y in x for a in _arrays_in(y)]
+    return []
+
+
+def _snapshot(cache):
+    """The cache's attributes (the objects themselves), the contents of its lists and
+    the values of every array it holds."""
+    cache._state_arrays()  # (writes pending window tokens: reading the window does)
+    attrs = dict(cache.__dict__)
+    seqs = {k: list(v) for k, v in attrs.items() if isinstance(v, (list, collections.deque))}
+    values = {k: [np.array(a) for a in _arrays_in(v)] for k, v in attrs.items()}
+    return attrs, seqs, values
+
+
+def _assert_unchanged(cache, snapshot, what):
+    attrs, seqs, values = snapshot
+    assert cache.__dict__.keys() == attrs.keys(), what
+    for k, v in attrs.items():
+        assert cache.__dict__[k] is v, f"{what}: {k}"
+    for k, v in seqs.items():
+        assert len(cache.__dict__[k]) == len(v) and all(
+            x is y for x, y in zip(cache.__dict__[k], v)), f"{what}: {k}"
+    for k, v in values.items():
+        for a, b in zip(_arrays_in(cache.__dict__[k]), v):
+            np.testing.assert_array_equal(np.array(a), b, err_msg=f"{what}: {k}")
+
+
+_REFUSAL_CONFIGS = {
+    "plain": dict(),
+    "sinks-window": dict(fp16_sink_tokens=4, fp16_recent_tokens=8, center=True,
+                         calibration_tokens=16),
+    "query-aware": dict(fp16_sink_tokens=2, fp16_recent_tokens=6, center=True,
+                        query_aware_keys=True, calibration_tokens=16, key_bits=3,
+                        value_bits=3),
+    "uncalibrated": dict(fp16_recent_tokens=8, center=True, calibration_tokens=100),
+}
+
+
+def _bad_updates(rng, L, D=64):
+    """``(kind, keys, values)`` that update_and_fetch must refuse, ``L`` tokens."""
+    def tok(*shape):
+        return _rand(rng, shape or (1, 2, L, D))
+
+    out = []
+    for kind, which, value in (("nan key", 0, np.nan), ("nan value", 1, np.nan),
+                               ("inf key", 0, np.inf), ("-inf value", 1, -np.inf),
+                               ("beyond float16", 0, 1e6)):
+        kv = [tok(), tok()]
+        x = np.array(kv[which])
+        x[0, 1, L - 1, 5] = value
+        kv[which] = mx.array(x)
+        out.append((kind, *kv))
+    out += [
+        ("head dim", tok(1, 2, L, 32), tok(1, 2, L, 32)),
+        ("kv heads", tok(1, 3, L, D), tok(1, 3, L, D)),
+        ("keys and values apart", tok(), tok(1, 2, L + 1, D)),
+        ("three dimensions", tok(2, L, D), tok(2, L, D)),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("point", ["empty", "prefill", "decode", "verify", "after-trim"])
+@pytest.mark.parametrize("config", list(_REFUSAL_CONFIGS))
+def test_refused_update_leaves_the_cache_unchanged(config, point):
+    # A refused update_and_fetch (non-finite keys or values, tokens beyond the fp16
+    # storage's range, wrong shapes) raises and changes nothing: offset, buffers,
+    # window, ring, counters. The cache then goes on as one that never saw the call.
+    cfg = dict(dict(key_bits=4, value_bits=4, seed=3), **_REFUSAL_CONFIGS[config])
+    L = {"empty": 20, "prefill": 20, "decode": 1, "verify": 4, "after-trim": 1}[point]
+    steps = dict(empty=[], prefill=[24], decode=[24] + [1] * 12, verify=[24, 1, 1, 4],
+                 **{"after-trim": [24] + [1] * 12})[point]
+
+    def history(seed):
+        rng = np.random.default_rng(seed)
+        cache = TurboQuantKVCache(**cfg)
+        for n in steps:
+            cache.update_and_fetch(_biased(rng, (1, 2, n, 64)), _biased(rng, (1, 2, n, 64)))
+            mx.eval(cache.attention(_queries(rng, (1, 4, n, 64)), 0.125, "causal"))
+        if point == "after-trim":
+            assert cache.trim(5) == 5
+        return cache
+
+    rng = np.random.default_rng(99)
+    for kind, k, v in _bad_updates(rng, L):
+        if point == "empty" and kind in ("head dim", "kv heads"):
+            continue  # (an empty cache takes any)
+        cache, twin = history(1), history(1)
+        snapshot = _snapshot(cache)
+        _snapshot(twin)  # (the same reads)
+        with pytest.raises(ValueError, match="update_and_fetch|do not match|head dim"):
+            cache.update_and_fetch(k, v)
+        _assert_unchanged(cache, snapshot, kind)
+        for n in (L, 1, 3):
+            k, v = _biased(rng, (1, 2, n, 64)), _biased(rng, (1, 2, n, 64))
+            q = _queries(rng, (1, 4, n, 64))
+            outs = []
+            for c in (cache, twin):
+                c.update_and_fetch(k, v)
+                outs.append(np.array(c.attention(q, 0.125, "causal")))
+            np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{kind}, then {n}")
+            assert np.isfinite(outs[0]).all()
+        _assert_same_cache(cache, twin)

@@ -206,6 +206,22 @@ _OUT_IN_MODEL_DTYPE = os.environ.get("TURBOQUANT_OUT_IN_MODEL_DTYPE", "1") != "0
 _RING_APPEND = os.environ.get("TURBOQUANT_RING_APPEND", "1") != "0"
 
 
+# update_and_fetch refuses keys and values that are not finite once rounded to the
+# cache's fp16 storage (NaN, Inf, or beyond its range) before it changes anything: a
+# refused update leaves the cache as it was, and the cache keeps working. The check
+# reads the new tokens, so the host waits for them to be computed (one reduction per
+# layer and update; in pipelined decoding the next step's graph is then built after the
+# current step's keys are known, not while they are computed).
+# TURBOQUANT_CHECK_FINITE=0 (or TurboQuantKVCache.check_finite = False) skips it: then
+# only the CPU's append kernels refuse such tokens, when they are evaluated, after the
+# cache has counted them, and a window token is not checked until it is quantized.
+_CHECK_FINITE = os.environ.get("TURBOQUANT_CHECK_FINITE", "1") != "0"
+
+
+def _all_finite(keys, values):
+    return mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
+
+
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
     centered (``mu_k``/``mu_v`` or None), keys scaled by ``a`` (or None), rotated
@@ -308,6 +324,7 @@ def _tail_decode_output(out_rot, signs, matrix, rot_scale, mu_v, like):
     return out.astype(like.dtype).reshape(B, n_q, L, D)
 
 
+_fused_all_finite = mx.compile(_all_finite)
 _fused_to_code_space = mx.compile(_to_code_space)
 _fused_queries_to_codes = mx.compile(_queries_to_codes)
 _fused_decode_output = mx.compile(_decode_output)
@@ -399,6 +416,12 @@ class TurboQuantKVCache(_BaseCache):
             undo. Keys are rotated either way. Not part of the saved state (a cache
             rebuilt from a state rotates its values).
 
+    ``update_and_fetch`` refuses (ValueError) tokens of the wrong shape and keys or
+    values that are not finite once rounded to the fp16 storage, before it changes
+    anything: a refused update leaves the cache as it was. The finiteness check waits
+    for the new tokens to be computed; ``check_finite = False`` (class or instance; the
+    environment variable ``TURBOQUANT_CHECK_FINITE=0`` sets the default) skips it.
+
     Note:
         The class has no attribute ``bits``: mlx-lm sends any cache that has one to
         its affine-quantized attention path.
@@ -408,6 +431,8 @@ class TurboQuantKVCache(_BaseCache):
     step = 256  # capacity granularity (tokens)
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
+    # update_and_fetch refuses non-finite keys and values (see _CHECK_FINITE)
+    check_finite = _CHECK_FINITE
     default_prefill_budget_bytes = 256 << 20
 
     def __init__(
@@ -816,6 +841,11 @@ class TurboQuantKVCache(_BaseCache):
         The returned arrays are *not* the cache contents: attention on this cache
         goes through :meth:`attention` (the hook calls it), which reads the
         compressed storage.
+
+        Raises:
+            ValueError: tokens whose shape does not match, or (with ``check_finite``)
+                keys or values that are NaN or infinite in the cache's fp16 storage
+                dtype; the cache is then unchanged.
         """
         # The attention that follows must be the hook's (see ensure_hook), whoever made
         # this cache: mlx-lm's own would see only the tokens returned here.
@@ -830,20 +860,27 @@ class TurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} keys and values must have the same head dim (one rotation per "
                 f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
             )
-        if self._head_dim is None:
-            self._init_codec(keys.shape[-1])
-            self._batch_heads = (keys.shape[0], keys.shape[1])
-        elif keys.shape[-1] != self._head_dim or (keys.shape[0], keys.shape[1]) != self._batch_heads:
+        if self._head_dim is not None and (
+                keys.shape[-1] != self._head_dim
+                or (keys.shape[0], keys.shape[1]) != self._batch_heads):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
                 f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
             )
         given = keys, values
-        if self.window_dtype is None:
+        window_dtype = self.window_dtype
+        if window_dtype is None:
             half = (mx.float16, mx.bfloat16)
-            self.window_dtype = keys.dtype if keys.dtype in half else mx.float16
-        keys = keys.astype(self.window_dtype)
-        values = values.astype(self.window_dtype)
+            window_dtype = keys.dtype if keys.dtype in half else mx.float16
+        keys = keys.astype(window_dtype)
+        values = values.astype(window_dtype)
+        if self.check_finite and not _fused_all_finite(keys, values).item():
+            raise ValueError(self._not_finite_message(given, window_dtype))
+        # Everything checked (a refused update changes nothing): store.
+        if self._head_dim is None:
+            self._init_codec(keys.shape[-1])  # (refuses an unsupported head dim first)
+            self._batch_heads = (keys.shape[0], keys.shape[1])
+        self.window_dtype = window_dtype
         if not self._calibrated and self._held_tokens() >= self.calibration_tokens:
             self._calibrate()  # no attention call came since those tokens arrived
         L = keys.shape[2]
@@ -869,6 +906,18 @@ class TurboQuantKVCache(_BaseCache):
         self._fresh = (keys, values, P) if L > self.decode_max_queries else None
         self._new_token = (keys, values, P) if L == 1 else None
         return given
+
+    @staticmethod
+    def _not_finite_message(given, window_dtype) -> str:
+        k, v = given
+        names = [name for name, x in (("keys", k), ("values", v))
+                 if not mx.all(mx.isfinite(x)).item()]
+        if names:
+            what = f"the new {' and '.join(names)} are not finite (NaN or Inf)"
+        else:
+            what = (f"the new keys or values exceed the range of the cache's {window_dtype} "
+                    "storage")
+        return f"{_PREFIX} update_and_fetch refused: {what}; the cache is unchanged."
 
     def _store(self, rk: mx.array, rv: mx.array, P: int):
         """Stores non-sink tokens at positions ``[P, P + n)`` (``P`` = tokens held so far)."""
