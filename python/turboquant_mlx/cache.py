@@ -18,8 +18,10 @@ Token layout of one layer, in position order::
 "fp16" means the keys' own dtype (what mlx-lm's ``KVCache`` would store). The
 window holds the last ``min(R, offset - S)`` tokens; older tokens are quantized
 when they leave it. The window buffer keeps ``rollback_tokens`` more fp16 tokens
-(already quantized too) so that trimming up to that many tokens -- speculative
-decoding -- leaves exactly the cache that never saw the trimmed tokens.
+(already quantized too), for speculative decoding: a verification block's first
+queries read the tokens that its later tokens pushed out of the window in fp16, as
+single-token steps would, and trimming up to that many tokens (the rejected drafts)
+leaves exactly the cache that never saw the trimmed tokens.
 
 Two exact transforms of the compressed segment (options ``center`` and
 ``query_aware_keys``; off by default, on in the headline presets) make the codec's
@@ -46,7 +48,12 @@ calibrates in the first attention call at which it holds at least
 with the prompt's own queries -- from every non-sink token held and the queries
 seen so far, quantizes what its layout says must be quantized, then attends; an
 ``update_and_fetch`` that finds that many tokens already held (no attention call
-came) calibrates with the queries seen so far (none: ``a = 1``). ``mu`` and ``a``
+came) calibrates with the queries seen so far (none: ``a = 1``). A decode or
+verification block (``L <= 8``) calibrates as single-token steps would: at its
+query whose position brings the count to ``calibration_tokens``, from those tokens
+and the queries up to it, so that drafts after it take no part. A trim back before
+the calibration (within ``rollback_tokens`` tokens of it) undoes it, and a trim
+takes back the energies of the queries at the trimmed positions. ``mu`` and ``a``
 are part of the state.
 
 Attention combines the three segments with their log-sum-exp
@@ -59,7 +66,10 @@ quantizes), and runs MLX's fused attention on them with the queries in code spac
 (:meth:`TurboQuantKVCache._attend_prefill`): the temporary is one layer's keys and
 values, freed before the next layer, never a full-precision copy of the cache. Decode
 and verification queries see every token through the stored (quantized or fp16)
-representation, as a generated token does. The queries of a prefill block see the
+representation, as a generated token does: each query of a verification block sees the
+cache as a single-token step at its position would (the tokens before ``p + 1 - R``
+after the sinks quantized, the later ones in fp16), so that greedy speculative decoding
+gives the tokens of plain decoding. The queries of a prefill block see the
 block itself as it arrived (the caller holds it for the call anyway), and every older
 token as stored: prompt processing is then never worse than what decoding sees.
 
@@ -196,6 +206,10 @@ _OUT_IN_MODEL_DTYPE = os.environ.get("TURBOQUANT_OUT_IN_MODEL_DTYPE", "1") != "0
 _RING_APPEND = os.environ.get("TURBOQUANT_RING_APPEND", "1") != "0"
 
 
+def _all_finite(keys, values):
+    return mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
+
+
 def _to_code_space(keys, values, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values):
     """Keys and values ``(B, H_kv, n, D)`` as the codec quantizes them, float32:
     centered (``mu_k``/``mu_v`` or None), keys scaled by ``a`` (or None), rotated
@@ -298,6 +312,7 @@ def _tail_decode_output(out_rot, signs, matrix, rot_scale, mu_v, like):
     return out.astype(like.dtype).reshape(B, n_q, L, D)
 
 
+_fused_all_finite = mx.compile(_all_finite)
 _fused_to_code_space = mx.compile(_to_code_space)
 _fused_queries_to_codes = mx.compile(_queries_to_codes)
 _fused_decode_output = mx.compile(_decode_output)
@@ -310,6 +325,32 @@ def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
     if a is None or a.shape[2] == 0:
         return mx.contiguous(b)
     return mx.concatenate([a, b], axis=2)
+
+
+def _mask_rows(mask, a: int, b: int, L: int):
+    """Rows ``[a, b)`` of an attention mask for ``L`` queries (masks without a row
+    per query apply to every row as they are)."""
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L and L > 1:
+        return mask[..., a:b, :]
+    return mask
+
+
+def _block_mask(mask, visible: np.ndarray, spans, qpos: np.ndarray):
+    """``visible`` ``(L, n)`` (which of the keys at the positions of ``spans``, a list of
+    ``(first position, count)``, each query sees) combined with the caller's mask
+    (None, ``"causal"`` for queries at positions ``qpos``, or a bool or additive array
+    over every position)."""
+    if mask is None:
+        return mx.array(visible)
+    if isinstance(mask, str):
+        kpos = np.concatenate([np.arange(p0, p0 + n) for p0, n in spans])
+        return mx.array(visible & (kpos[None, :] <= qpos[:, None]))
+    parts = [mask[..., p0 : p0 + n] for p0, n in spans]
+    sel = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    vis = mx.array(visible)
+    if sel.dtype == mx.bool_:
+        return mx.logical_and(sel, vis)
+    return mx.where(vis, sel, mx.array(float("-inf"), dtype=sel.dtype))
 
 
 def _empty(dtype) -> mx.array:
@@ -333,7 +374,9 @@ class TurboQuantKVCache(_BaseCache):
         fp16_recent_tokens: Size of the window of most recent tokens kept
             unquantized (0: quantize every token on arrival).
         rollback_tokens: Extra unquantized tokens kept behind the window so that a
-            ``trim`` of up to this many tokens is exact (only used with a window).
+            ``trim`` of up to this many tokens is exact, and that each query of a
+            verification block of up to this many tokens plus one sees the window of
+            its own position (only used with a window).
         prefill_budget_bytes: Where MLX's attention has no fused kernel for a
             prefill (the CPU; see :meth:`_attend_prefill`), the most bytes of scores
             one chunk of queries may materialize; default 1 GiB (fewer, larger
@@ -362,6 +405,18 @@ class TurboQuantKVCache(_BaseCache):
             undo. Keys are rotated either way. Not part of the saved state (a cache
             rebuilt from a state rotates its values).
 
+    ``update_and_fetch`` refuses (ValueError) tokens of the wrong shape, and keys or
+    values that are not finite once rounded to the fp16 storage, before it changes
+    anything: a refused update leaves the cache as it was. The finiteness check reads
+    the new tokens, so the host waits for them to be computed. Attribute
+    ``check_finite`` (class or instance) says which updates it checks: ``"prefill"``
+    (default) blocks of more than ``decode_max_queries`` tokens, where the wait costs
+    nothing measurable; ``"always"`` decode and verify steps too, at the price of
+    pipelined decoding (the next step's graph is then built after this step's keys are
+    known, not while they are computed); ``"never"``. An unchecked non-finite token
+    makes the attention outputs that see it NaN, as with an fp16 cache, and the append
+    that quantizes it refuses it on the CPU.
+
     Note:
         The class has no attribute ``bits``: mlx-lm sends any cache that has one to
         its affine-quantized attention path.
@@ -371,6 +426,9 @@ class TurboQuantKVCache(_BaseCache):
     step = 256  # capacity granularity (tokens)
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
+    # Which updates are checked for non-finite tokens before anything changes (see the
+    # class docstring): "prefill", "always" or "never".
+    check_finite = "prefill"
     default_prefill_budget_bytes = 1 << 30
 
     def __init__(
@@ -472,6 +530,12 @@ class TurboQuantKVCache(_BaseCache):
         self._mu_k = self._mu_v = self._key_scale = None
         self._q_energy = None  # (B, H_kv, D) float32: sum of q^2 seen before calibration
         self._q_count = 0  # number of query vectors in _q_energy
+        # (position, _q_energy, _q_count) before the queries from that position on were
+        # added, for the last rollback_tokens positions: a trim takes their energies
+        # back out (see _trim_queries).
+        self._q_marks = []
+        # What a trim back before the calibration point restores (see _calibrate).
+        self._calib_undo = None
 
     def _drop_code_space(self):
         """Forgets the decode steps' copies of the sinks and window (after anything that
@@ -644,14 +708,19 @@ class TurboQuantKVCache(_BaseCache):
         """Non-sink tokens held (all unquantized while not calibrated)."""
         return max(0, self.offset - self.fp16_sink_tokens)
 
-    def _observe_queries(self, queries: mx.array):
-        """Adds the energies of queries at positions ``>= fp16_sink_tokens``."""
+    def _observe_queries(self, queries: mx.array, q0: int):
+        """Adds the energies of queries at positions ``>= fp16_sink_tokens`` (the
+        queries are at positions ``[q0, q0 + L)``)."""
         if not self.query_aware_keys:
             return
         B, n_q, L, D = queries.shape
-        skip = max(0, self.fp16_sink_tokens - (self.offset - L))
+        skip = max(0, self.fp16_sink_tokens - q0)
         if skip >= L:
             return
+        marks = self._q_marks
+        marks.append((q0 + skip, self._q_energy, self._q_count))
+        while marks[0][0] < q0 - self.rollback_tokens:
+            marks.pop(0)  # no exact trim reaches back there
         q = queries[:, :, skip:] if skip else queries
         H = self._batch_heads[1]
         G = n_q // H
@@ -659,6 +728,17 @@ class TurboQuantKVCache(_BaseCache):
         e = mx.sum(q * q, axis=2)
         self._q_energy = e if self._q_energy is None else self._q_energy + e
         self._q_count += G * (L - skip)
+
+    def _trim_queries(self, new: int):
+        """Takes the energies of the queries at positions ``>= new`` back out (exact where
+        they came in steps or blocks that start at or after ``new``)."""
+        marks = self._q_marks
+        i = len(marks)
+        while i and marks[i - 1][0] >= new:
+            i -= 1
+        if i < len(marks):
+            _, self._q_energy, self._q_count = marks[i]
+            del marks[i:]
 
     def _pair_mean(self, e: mx.array) -> mx.array:
         """Averages channel energies ``(..., D)`` over the RoPE pairs."""
@@ -698,25 +778,35 @@ class TurboQuantKVCache(_BaseCache):
         a2 = mx.where(mx.isfinite(a2), a2, 1.0)
         return mx.sqrt(a2)[:, :, None, :]
 
-    def _calibrate(self):
-        """Fixes ``mu`` and ``a`` from the held tokens and the queries seen, then
-        stores the held tokens as the calibrated layout says (module docstring)."""
+    def _calibrate(self, end: Optional[int] = None):
+        """Fixes ``mu`` and ``a`` from the held tokens before position ``end`` (default:
+        all of them) and the queries seen, then stores the held tokens as the calibrated
+        layout says (module docstring).
+
+        Until ``rollback_tokens`` tokens after ``end`` have arrived, the cache keeps what
+        it needs to undo this: a trim back before ``end`` returns it to the uncalibrated
+        cache that never saw the trimmed tokens (see :meth:`trim`)."""
         S = self.fp16_sink_tokens
         n = self._held_tokens()
         hk, hv = self._win_k, self._win_v
-        if n:
-            k = hk.astype(mx.float32)
+        m = n if end is None else max(0, min(n, end - S))
+        if m:
+            # (Contiguous, as single-token steps would have them: the same reduction.)
+            ck, cv = (hk, hv) if m == n else (mx.contiguous(hk[:, :, :m]),
+                                              mx.contiguous(hv[:, :, :m]))
+            k = ck.astype(mx.float32)
             if self.center:
                 self._mu_k = mx.mean(k, axis=2, keepdims=True)
-                self._mu_v = mx.mean(hv.astype(mx.float32), axis=2, keepdims=True)
+                self._mu_v = mx.mean(cv.astype(mx.float32), axis=2, keepdims=True)
                 k = k - self._mu_k
             if self.query_aware_keys and self._q_count:
                 self._key_scale = self._key_scale_from(
                     self._q_energy / self._q_count, mx.mean(k * k, axis=2)
                 )
+        self._calib_undo = (S + m, hk, hv, self._q_marks, self._q_energy, self._q_count)
         self._calibrated = True
         self._drop_code_space()
-        self._q_energy, self._q_count = None, 0
+        self._q_energy, self._q_count, self._q_marks = None, 0, []
         self._win_k = self._win_v = None
         self._win_start = S
         self._n_comp = 0
@@ -724,12 +814,34 @@ class TurboQuantKVCache(_BaseCache):
         if n:
             self._store(hk, hv, S)
 
+    def _uncalibrate(self, new: int):
+        """Back to the uncalibrated cache of the first ``new`` tokens (``new`` before
+        the calibration point; see :meth:`_calibrate`)."""
+        _, hk, hv, marks, q_energy, q_count = self._calib_undo
+        self._calib_undo = None
+        held = max(0, new - self.fp16_sink_tokens)
+        self._calibrated = False
+        self._mu_k = self._mu_v = self._key_scale = None
+        self._q_marks, self._q_energy, self._q_count = marks, q_energy, q_count
+        self._drop_code_space()
+        self._n_comp = 0
+        self._buffers_private = False  # slots from 0 on are written again
+        self._win_k = hk[:, :, :held] if held else None
+        self._win_v = hv[:, :, :held] if held else None
+        self._win_buf = None
+        self._win_start = self.fp16_sink_tokens
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Stores new tokens ``(B, H_kv, L, D)`` and returns them unchanged.
 
         The returned arrays are *not* the cache contents: attention on this cache
         goes through :meth:`attention` (the hook calls it), which reads the
         compressed storage.
+
+        Raises:
+            ValueError: tokens whose shape does not match, or (with ``check_finite``)
+                keys or values that are NaN or infinite in the cache's fp16 storage
+                dtype; the cache is then unchanged.
         """
         # The attention that follows must be the hook's (see ensure_hook), whoever made
         # this cache: mlx-lm's own would see only the tokens returned here.
@@ -744,20 +856,33 @@ class TurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} keys and values must have the same head dim (one rotation per "
                 f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
             )
-        if self._head_dim is None:
-            self._init_codec(keys.shape[-1])
-            self._batch_heads = (keys.shape[0], keys.shape[1])
-        elif keys.shape[-1] != self._head_dim or (keys.shape[0], keys.shape[1]) != self._batch_heads:
+        if self._head_dim is not None and (
+                keys.shape[-1] != self._head_dim
+                or (keys.shape[0], keys.shape[1]) != self._batch_heads):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
                 f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
             )
         given = keys, values
-        if self.window_dtype is None:
+        window_dtype = self.window_dtype
+        if window_dtype is None:
             half = (mx.float16, mx.bfloat16)
-            self.window_dtype = keys.dtype if keys.dtype in half else mx.float16
-        keys = keys.astype(self.window_dtype)
-        values = values.astype(self.window_dtype)
+            window_dtype = keys.dtype if keys.dtype in half else mx.float16
+        keys = keys.astype(window_dtype)
+        values = values.astype(window_dtype)
+        check = self.check_finite
+        if check not in ("prefill", "always", "never"):
+            raise ValueError(f"{_PREFIX} check_finite must be 'prefill', 'always' or 'never', "
+                             f"got {check!r}.")
+        checked = check == "always" or (
+            check == "prefill" and keys.shape[2] > self.decode_max_queries)
+        if checked and not _fused_all_finite(keys, values).item():
+            raise ValueError(self._not_finite_message(given, window_dtype))
+        # Everything checked (a refused update changes nothing): store.
+        if self._head_dim is None:
+            self._init_codec(keys.shape[-1])  # (refuses an unsupported head dim first)
+            self._batch_heads = (keys.shape[0], keys.shape[1])
+        self.window_dtype = window_dtype
         if not self._calibrated and self._held_tokens() >= self.calibration_tokens:
             self._calibrate()  # no attention call came since those tokens arrived
         L = keys.shape[2]
@@ -771,6 +896,9 @@ class TurboQuantKVCache(_BaseCache):
         if t < L:
             self._store(keys[:, :, t:] if t else keys, values[:, :, t:] if t else values, P + t)
         self.offset = P + L
+        undo = self._calib_undo
+        if undo is not None and self.offset - undo[0] >= self.rollback_tokens:
+            self._calib_undo = None  # no trim of up to rollback_tokens reaches back there
         # A prefill block's queries attend to the block's own keys and values as they
         # arrived, not as stored: the block is in memory anyway for the attention
         # call, and its queries then see every token closer than the block start
@@ -780,6 +908,18 @@ class TurboQuantKVCache(_BaseCache):
         self._fresh = (keys, values, P) if L > self.decode_max_queries else None
         self._new_token = (keys, values, P) if L == 1 else None
         return given
+
+    @staticmethod
+    def _not_finite_message(given, window_dtype) -> str:
+        k, v = given
+        names = [name for name, x in (("keys", k), ("values", v))
+                 if not mx.all(mx.isfinite(x)).item()]
+        if names:
+            what = f"the new {' and '.join(names)} are not finite (NaN or Inf)"
+        else:
+            what = (f"the new keys or values exceed the range of the cache's {window_dtype} "
+                    "storage")
+        return f"{_PREFIX} update_and_fetch refused: {what}; the cache is unchanged."
 
     def _store(self, rk: mx.array, rv: mx.array, P: int):
         """Stores non-sink tokens at positions ``[P, P + n)`` (``P`` = tokens held so far)."""
@@ -1084,17 +1224,61 @@ class TurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} mask {tuple(mask.shape)} has {mask.shape[-2]} queries for a "
                 f"block of {L} queries."
             )
-        if not self._calibrated:
-            self._observe_queries(queries)
-            if self._held_tokens() >= self.calibration_tokens:
-                self._calibrate()
         if self._fresh is not None and self._fresh[0].shape[2] != L:
             self._fresh = None  # these queries are not the block that just arrived
         if L <= self.decode_max_queries:
-            out = self._attend_decode(queries, scale, mask, sinks)
+            if not self._calibrated:
+                out = self._attend_calibrating(queries, scale, mask, sinks)
+            else:
+                out = self._attend_steps(queries, scale, mask, sinks)
         else:
+            if not self._calibrated:
+                self._observe_queries(queries, self.offset - L)
+                if self._held_tokens() >= self.calibration_tokens:
+                    self._calibrate()
             out = self._attend_prefill(queries, scale, mask, sinks)
         return out.astype(queries.dtype)
+
+    def _attend_steps(self, queries, scale, mask, sinks):
+        """A decode or verification block (the last ``L <= decode_max_queries``
+        positions) on a calibrated cache: each query sees what a single-token step at
+        its position sees (see :meth:`_attend_block`)."""
+        L = queries.shape[2]
+        if L > 1 and self.fp16_recent_tokens:
+            # (Without a window every query sees the same stored tokens, causally.)
+            return self._attend_block(queries, self.offset - L, scale, mask, sinks)
+        return self._attend_decode(queries, scale, mask, sinks)
+
+    def _attend_calibrating(self, queries, scale, mask, sinks):
+        """A decode or verification block before calibration, as single-token steps at
+        its positions would run: the queries' energies are added one position at a time,
+        and if the block holds the position at which the cache holds
+        ``calibration_tokens`` non-sink tokens, the levers are calibrated there, from
+        the tokens up to that position and the queries up to it: the block's later
+        tokens and queries (drafts that verification may reject) take no part. Queries
+        before that position see the uncalibrated cache, the others the calibrated
+        one."""
+        L = queries.shape[2]
+        q0 = self.offset - L
+        if self._held_tokens() < self.calibration_tokens:
+            for i in range(L):
+                self._observe_queries(queries[:, :, i : i + 1], q0 + i)
+            return self._attend_decode(queries, scale, mask, sinks)
+        # Rows of the queries before the calibrating position (the update calibrates a
+        # cache that already held that many tokens, so that position is in the block).
+        k = min(max(self.fp16_sink_tokens + self.calibration_tokens - 1 - q0, 0), L - 1)
+        for i in range(k + 1):
+            self._observe_queries(queries[:, :, i : i + 1], q0 + i)
+        outs = []
+        if k:
+            outs.append(self._attend_block(queries[:, :, :k], q0, scale,
+                                           _mask_rows(mask, 0, k, L), sinks))
+        self._calibrate(end=q0 + k + 1)
+        outs.append(self._attend_steps(queries[:, :, k:], scale, _mask_rows(mask, k, L, L),
+                                       sinks))
+        if len(outs) == 1:
+            return outs[0]
+        return mx.concatenate([o.astype(mx.float32) for o in outs], axis=2)
 
     @staticmethod
     def _segment_mask(mask, p0: int, n: int, q0: int, L: int):
@@ -1251,6 +1435,73 @@ class TurboQuantKVCache(_BaseCache):
             self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L),
         )
         return self._compressed_result(out, lse, queries, scale)
+
+    def _attend_block(self, queries, q0: int, scale: float, mask, sinks):
+        """Attention of decode-sized queries at positions ``[q0, q0 + L)``, each seeing
+        the cache as a single-token step at its position sees it: the query at ``p``
+        sees the non-sink tokens before ``p + 1 - fp16_recent_tokens`` through their
+        codes and every later one (and the sinks) in fp16. A verification block's
+        first queries so read tokens that its later ones pushed out of the window; the
+        window buffer keeps ``rollback_tokens`` of those (tokens that only exist
+        quantized, after a trim beyond that, are read quantized). Returns
+        ``(B, H_q, L, D)`` float32."""
+        L = queries.shape[2]
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        ns, c, wpos = self._layout()
+        qpos = np.arange(q0, q0 + L)
+        if R and self._calibrated:
+            # First non-sink position each query sees in fp16.
+            exact = np.clip(np.maximum(qpos + 1 - R, self._win_start), S, wpos)
+        else:
+            exact = np.full(L, wpos)
+        lo = int(exact.min())
+        parts = []
+        spans = ([(0, ns)] if ns else []) + ([(lo, self.offset - lo)] if self.offset > lo else [])
+        if spans:
+            ks, vs = [], []
+            if ns:
+                ks.append(self._sink_k)
+                vs.append(self._sink_v)
+            if self.offset > lo:
+                i0 = lo - self._win_start
+                ks.append(self._win_k[:, :, i0:])
+                vs.append(self._win_v[:, :, i0:])
+            kpos = np.concatenate([np.arange(p0, p0 + n) for p0, n in spans])
+            visible = (kpos[None, :] < S) | (kpos[None, :] >= exact[:, None])
+            k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+            v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+            parts.append(dense_attention(queries, k, v, scale,
+                                         _block_mask(mask, visible, spans, qpos)))
+        if c:
+            visible = (S + np.arange(c))[None, :] < exact[:, None]
+            if (c >= L and not isinstance(mask, mx.array)
+                    and np.array_equal(exact - S, c - L + 1 + np.arange(L))):
+                # Query i sees the first c - L + 1 + i compressed tokens: the op's causal
+                # mode (a causal mask holds for them too).
+                causal, op_mask = True, None
+            else:
+                causal, op_mask = False, _block_mask(mask, visible, [(S, c)], qpos)
+            if c < L:
+                # (The op needs at least as many tokens as queries.)
+                kd = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids,
+                                    self.key_bits, 0, c)
+                vd = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
+                                    self.value_bits, 0, c)
+                out, lse = dense_attention(self._compressed_queries(queries), kd, vd, scale,
+                                           op_mask)
+                parts.append(self._compressed_result(out, lse, queries, scale))
+            elif self._op_signs() is not None:
+                parts.append(self._model_space_op(queries, c, scale, causal, op_mask))
+            else:
+                out, lse = ops.compressed_attention(
+                    self._compressed_queries(queries), self._k_codes, self._k_scales,
+                    self._v_codes, self._v_scales, self._k_centroids, self._v_centroids,
+                    c, scale, self.key_bits, self.value_bits, causal, op_mask,
+                )
+                parts.append(self._compressed_result(out, lse, queries, scale))
+        if sinks is not None:
+            parts.append(self._sink_part(sinks, queries))
+        return merge_attention(parts)[0]
 
     def _attend_decode_model_space(self, queries, scale, mask, sinks):
         """A decode step with ops that take the model's space (:meth:`_op_signs`): the
@@ -1646,10 +1897,12 @@ class TurboQuantKVCache(_BaseCache):
         fp16 window is used, or when ``n <= rollback_tokens`` since the last time
         the window lost tokens to a trim; beyond that, tokens that should be back
         in the fp16 window are only available quantized and are used as such.
-        Before calibration (``center``/``query_aware_keys``) every token is held
-        unquantized and trimmed exactly, but the query energies accumulated for
-        calibration keep the contribution of queries at trimmed positions.
-        The calibration itself (``mu``, ``a``) is never undone.
+        With the levers (``center``/``query_aware_keys``), the query energies of
+        the trimmed positions are taken back out (those of a prefill block trimmed
+        in part stay), and a trim back before the position that calibrated the
+        levers returns the cache to the uncalibrated one that never saw the trimmed
+        tokens, while fewer than ``rollback_tokens`` tokens have arrived since (after
+        that, ``mu`` and ``a`` stay).
         """
         n = max(0, min(int(n), self.offset))
         if n == 0:
@@ -1669,12 +1922,15 @@ class TurboQuantKVCache(_BaseCache):
         # The dropped slots are written again by the next appends, while arrays taken
         # before the trim (state, dequantized tokens, pending graphs) may still read them.
         self._buffers_private = False
-        if (self.fp16_recent_tokens == 0 and self._calibrated) or new <= self._win_start:
+        if self._calib_undo is not None and new < self._calib_undo[0]:
+            self._uncalibrate(new)
+        elif (self.fp16_recent_tokens == 0 and self._calibrated) or new <= self._win_start:
             self._win_k = self._win_v = None
             self._win_start = max(S, new)
         else:
             self._win_k = self._win_k[:, :, : new - self._win_start]
             self._win_v = self._win_v[:, :, : new - self._win_start]
+        self._trim_queries(new)
         self.offset = new
         return n
 
@@ -1697,6 +1953,8 @@ class TurboQuantKVCache(_BaseCache):
             code_space += self._ring[:2]
         for _, k, v in self._ring_tokens:
             code_space += [k, v]
+        if self._calib_undo is not None:  # (the tokens held before the calibration)
+            code_space += self._calib_undo[1:3]
         return sum(a.nbytes for a in arrays + tuple(code_space) if a is not None)
 
     def _lever_arrays(self):
@@ -1945,6 +2203,7 @@ class TurboQuantKVCache(_BaseCache):
             self._drop_code_space()
             self._buffers_private = False
             self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
+            self._q_marks, self._calib_undo = [], None
             return
 
         # Batch, heads and head dim from the first present array of the segments.
@@ -2034,6 +2293,7 @@ class TurboQuantKVCache(_BaseCache):
         self._k_codes, self._k_scales, self._v_codes, self._v_scales = kc, ks, vc, vs
         self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
         self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
+        self._q_marks, self._calib_undo = [], None  # (no history: trims keep these)
         if self._calibrated and R == 0:
             self._win_start = max(S, off)
 
