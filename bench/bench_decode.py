@@ -40,8 +40,7 @@ TURBOQUANT_OP_ROTATION=0), ``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a 
 in-place append of keys and values built as one graph node per tensor / per buffer
 instead of one: TURBOQUANT_APPEND_NODES), ``NAME:ringslices`` (a window preset NAME
 writing its ring of recent tokens with two slice updates instead of one in-place node:
-TURBOQUANT_RING_IN_PLACE=0), ``NAME:outf32`` (cache NAME with the attention op writing
-float32 and a conversion node after it: TURBOQUANT_OUT_IN_MODEL_DTYPE=0),
+TURBOQUANT_RING_IN_PLACE=0),
 ``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
 kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0),
 ``NAME:noexchange`` (a window preset NAME appending the token that leaves its window
@@ -147,8 +146,7 @@ class variant:
     ending in ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
     graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
     one ending in ``:ringslices``, with the ring of a window preset written by slice
-    updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in ``:outf32``, with the
-    attention op's output in float32 and converted after it; for one ending in
+    updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in
     ``:twolaunch``, with a layer's keys and values sent to the GPU as one kernel launch
     per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0); for one ending in
     ``:noexchange``, with a ring step's append and ring write as two nodes
@@ -157,7 +155,6 @@ class variant:
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
         self.ring_in_place = not name.endswith(":ringslices")
-        self.out_in_model_dtype = not name.endswith(":outf32")
         self.two_launch = name.endswith(":twolaunch")
         self.ring_append = not name.endswith(":noexchange")
         m = re.search(r":nodes(\d)$", name)
@@ -166,8 +163,6 @@ class variant:
     def __enter__(self):
         self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
         self.saved_ring, tq_cache._RING_IN_PLACE = tq_cache._RING_IN_PLACE, self.ring_in_place
-        self.saved_out, tq_cache._OUT_IN_MODEL_DTYPE = (tq_cache._OUT_IN_MODEL_DTYPE,
-                                                        self.out_in_model_dtype)
         self.saved_exchange, tq_cache._RING_APPEND = tq_cache._RING_APPEND, self.ring_append
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
@@ -179,7 +174,6 @@ class variant:
     def __exit__(self, *exc):
         tq_cache._OP_ROTATION = self.saved
         tq_cache._RING_IN_PLACE = self.saved_ring
-        tq_cache._OUT_IN_MODEL_DTYPE = self.saved_out
         tq_cache._RING_APPEND = self.saved_exchange
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
@@ -212,7 +206,7 @@ def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
     name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices")
-                  .removesuffix(":outf32").removesuffix(":twolaunch")
+                  .removesuffix(":twolaunch")
                   .removesuffix(":noexchange"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]

@@ -194,11 +194,6 @@ _OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
 # the slice updates.
 _RING_IN_PLACE = os.environ.get("TURBOQUANT_RING_IN_PLACE", "1") != "0"
 
-# A decode step's attention op writes the layer's output in the model's dtype, so that
-# the layer needs no conversion node after it. TURBOQUANT_OUT_IN_MODEL_DTYPE=0 has the
-# op write float32 and converts it (one more node and kernel per layer).
-_OUT_IN_MODEL_DTYPE = os.environ.get("TURBOQUANT_OUT_IN_MODEL_DTYPE", "1") != "0"
-
 # A ring step's window update is one node (ops.ring_append_kv): the token leaving the
 # window is quantized from its ring slot and the new token written into that slot,
 # where otherwise the append and the ring write are a node each.
@@ -1565,7 +1560,7 @@ class TurboQuantKVCache(_BaseCache):
             self.value_bits, causal, op_mask, tail_k=tail[0], tail_v=tail[1],
             rotation_signs=self._op_signs(), rotate_output=self.rotate_values,
             key_mean=self._mu_k, value_mean=self._mu_v,
-            out_dtype=queries.dtype if final and _OUT_IN_MODEL_DTYPE else None,
+            out_dtype=queries.dtype if final else None,
         )
 
     def _model_space_tail(self, segments, ns: int, wpos: int, L: int):
