@@ -38,13 +38,9 @@ widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``mx.hadamard_transform`` kernels around the ops instead of inside them, as with
 TURBOQUANT_OP_ROTATION=0), ``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a layer's
 in-place append of keys and values built as one graph node per tensor / per buffer
-instead of one: TURBOQUANT_APPEND_NODES), ``NAME:ringslices`` (a window preset NAME
-writing its ring of recent tokens with two slice updates instead of one in-place node:
-TURBOQUANT_RING_IN_PLACE=0),
-``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
+instead of one: TURBOQUANT_APPEND_NODES), ``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
 kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0),
-``NAME:noexchange`` (a window preset NAME appending the token that leaves its window
-and writing the new one into the ring as two nodes instead of one: TURBOQUANT_RING_APPEND=0), ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
+``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
 the others still run.
@@ -145,25 +141,17 @@ class variant:
     ``:hostrot``, with the rotations around the ops instead of inside them; for one
     ending in ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
     graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
-    one ending in ``:ringslices``, with the ring of a window preset written by slice
-    updates (TURBOQUANT_RING_IN_PLACE=0); for one ending in
-    ``:twolaunch``, with a layer's keys and values sent to the GPU as one kernel launch
-    per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0); for one ending in
-    ``:noexchange``, with a ring step's append and ring write as two nodes
-    (TURBOQUANT_RING_APPEND=0)."""
+    one ending in ``:twolaunch``, with a layer's keys and values sent to the GPU as one
+    kernel launch per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0)."""
 
     def __init__(self, name):
         self.on = not name.endswith(":hostrot")
-        self.ring_in_place = not name.endswith(":ringslices")
         self.two_launch = name.endswith(":twolaunch")
-        self.ring_append = not name.endswith(":noexchange")
         m = re.search(r":nodes(\d)$", name)
         self.nodes = m.group(1) if m else None
 
     def __enter__(self):
         self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
-        self.saved_ring, tq_cache._RING_IN_PLACE = tq_cache._RING_IN_PLACE, self.ring_in_place
-        self.saved_exchange, tq_cache._RING_APPEND = tq_cache._RING_APPEND, self.ring_append
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
@@ -173,8 +161,6 @@ class variant:
 
     def __exit__(self, *exc):
         tq_cache._OP_ROTATION = self.saved
-        tq_cache._RING_IN_PLACE = self.saved_ring
-        tq_cache._RING_APPEND = self.saved_exchange
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
@@ -205,9 +191,8 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot").removesuffix(":ringslices")
-                  .removesuffix(":twolaunch")
-                  .removesuffix(":noexchange"))
+    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot")
+                  .removesuffix(":twolaunch"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

@@ -631,8 +631,10 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
 def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     # A decode step's append of keys and values is one graph node (the host's cost of a
     # short-context step is per node); the window preset's token that leaves the window
-    # too, and with the ring exchange (the default) that node also writes the new token
-    # into the ring: the step has no other write.
+    # too, and where the build has the ring exchange (CPU, CUDA) that node also writes
+    # the new token into the ring: the step has no other write. Without the exchange
+    # (tq4-two-nodes, as a build without it runs) the append and the write are a node
+    # each.
     from helpers import graph_nodes
     from turboquant_mlx import cache as cache_module
     from turboquant_mlx import ops
@@ -640,7 +642,7 @@ def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     if not ops.has_kernels():
         pytest.skip("the plain-MLX fallback builds no primitives")
     if preset == "tq4-two-nodes":
-        monkeypatch.setattr(cache_module, "_RING_APPEND", False)
+        monkeypatch.setattr(cache_module.ops, "has_ring_append", lambda *a: False)
     rng = np.random.default_rng(2)
     cfg = {} if preset == "plain" else dict(fp16_sink_tokens=4, fp16_recent_tokens=8,
                                             center=True)
@@ -1347,15 +1349,17 @@ def test_sinks_only_tail_is_transformed_once(monkeypatch):
 def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
     # The window token that leaves at a decode step is quantized from what the cache
     # kept of it: with the rotation in the ops, from its ring slot in the node that
-    # writes the new token there (ring-append), or else from the token as it arrived
-    # (so that the append does not hold the window buffer the step writes into); around
-    # the ops, the code-space copy in the last step's tail (not transformed again). The
-    # stored codes must be those of a cache that makes no attention calls.
+    # writes the new token there (ring-append), or, in a build without that node
+    # (op-rotation), from the token as it arrived (so that the append does not hold the
+    # window buffer the step writes into); around the ops, the code-space copy in the
+    # last step's tail (not transformed again). The stored codes must be those of a
+    # cache that makes no attention calls.
     import turboquant_mlx.cache as tq_cache
     from turboquant_mlx import ops
 
     monkeypatch.setattr(tq_cache, "_OP_ROTATION", mode != "host-rotation")
-    monkeypatch.setattr(tq_cache, "_RING_APPEND", mode == "ring-append")
+    if mode != "ring-append":
+        monkeypatch.setattr(ops, "has_ring_append", lambda *a: False)
     cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
                key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
     rng = np.random.default_rng(4)
@@ -1470,18 +1474,20 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
 @pytest.mark.parametrize("ring_append", [True, False], ids=["ring-append", "write-only"])
 @pytest.mark.parametrize("sinks", [0, 3])
 def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_append):
-    # A model-space ring step writes the new token into the ring in place instead of
-    # with slice updates: in the node that also quantizes the leaving token from its
-    # slot (RingAppendKV), or in a WriteTokensKV node of its own. Outputs, codes and
-    # window must be bit-identical to the slice updates', also when several steps are
-    # built before anything is evaluated (each write must follow the previous step's
-    # attention, which read the slot it overwrites, and the exchange's append must read
-    # the slot before its write) and when the ring started from the window alone (no
-    # sinks: the ring must not be the window's buffer).
-    import turboquant_mlx.cache as tq_cache
+    # A model-space ring step writes the new token into the ring in place: in the node
+    # that also quantizes the leaving token from its slot (RingAppendKV), or, in a
+    # build without that node (write-only), in a WriteTokensKV node of its own. Outputs,
+    # codes and window must be bit-identical to slice updates' (what a build without
+    # the write kernel does), also when several steps are built before anything is
+    # evaluated (each write must follow the previous step's attention, which read the
+    # slot it overwrites, and the exchange's append must read the slot before its
+    # write) and when the ring started from the window alone (no sinks: the ring must
+    # not be the window's buffer).
     import turboquant_mlx.ops as tq_ops
 
-    monkeypatch.setattr(tq_cache, "_RING_APPEND", ring_append)
+    has_write_kernel = tq_ops._has_write_kernel
+    if not ring_append:
+        monkeypatch.setattr(tq_ops, "has_ring_append", lambda *a: False)
 
     cfg = dict(center=True, fp16_sink_tokens=sinks, fp16_recent_tokens=8,
                rollback_tokens=4, calibration_tokens=16, seed=7)
@@ -1492,11 +1498,14 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_ap
     in_place, lazy, slices = (TurboQuantKVCache(**cfg) for _ in range(3))
     writes = []  # the `after` of each in-place ring write
     for name in ("write_tokens_kv", "ring_append_kv"):
-        monkeypatch.setattr(tq_ops, name, lambda *a, _op=getattr(tq_ops, name), **kw: writes.append(
-            kw.get("after")) or _op(*a, **kw))
+        monkeypatch.setattr(tq_ops, name, lambda *a, _op=getattr(tq_ops, name), **kw: (
+            tq_ops._has_write_kernel is has_write_kernel and writes.append(kw.get("after"))
+        ) or _op(*a, **kw))
 
     def step(c, k, v, q):
-        monkeypatch.setattr(tq_cache, "_RING_IN_PLACE", c is not slices)
+        # (the reference cache as a build without the write kernel runs it)
+        monkeypatch.setattr(tq_ops, "_has_write_kernel", has_write_kernel if c is not slices
+                            else lambda *a: False)
         c.update_and_fetch(k, v)
         return c.attention(q, 0.125, "causal")
 

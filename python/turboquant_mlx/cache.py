@@ -187,20 +187,6 @@ _COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
 # TURBOQUANT_OP_ROTATION=0 rotates with mx.hadamard_transform around the ops instead.
 _OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
 
-# A window preset's single-token step writes the new token into the model-space ring
-# in place, keys and values as one node (ops.write_tokens_kv), instead of two slice
-# updates (each its own node, and a copy of the ring whenever MLX cannot reuse it): at
-# short context a step's cost is its nodes' host time. TURBOQUANT_RING_IN_PLACE=0 keeps
-# the slice updates.
-_RING_IN_PLACE = os.environ.get("TURBOQUANT_RING_IN_PLACE", "1") != "0"
-
-# A ring step's window update is one node (ops.ring_append_kv): the token leaving the
-# window is quantized from its ring slot and the new token written into that slot,
-# where otherwise the append and the ring write are a node each.
-# TURBOQUANT_RING_APPEND=0 keeps the two nodes.
-_RING_APPEND = os.environ.get("TURBOQUANT_RING_APPEND", "1") != "0"
-
-
 def _all_finite(keys, values):
     return mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
 
@@ -1003,8 +989,8 @@ class TurboQuantKVCache(_BaseCache):
         position ``P``: the step's attention reads it as it is. False (nothing done)
         where that does not apply."""
         ring, R = self._ring, self.fp16_recent_tokens
-        if (not (_RING_APPEND and _RING_IN_PLACE) or ring is None or ring[2] != P
-                or end - first != 1 or first != P - R or not ops.has_ring_append()):
+        if (ring is None or ring[2] != P or end - first != 1 or first != P - R
+                or not ops.has_ring_append()):
             return False
         ns = ring[0].shape[2] - R
         slot = ns + (P - self.fp16_sink_tokens) % R
@@ -1043,14 +1029,9 @@ class TurboQuantKVCache(_BaseCache):
             parts_v = [self._win_v_stored[:, :, drop:], ring[1][:, :, r0:], ring[1][:, :, ns:r0]]
             wk = mx.concatenate([a for a in parts_k if a.shape[2]], axis=2)
             wv = mx.concatenate([a for a in parts_v if a.shape[2]], axis=2)
-            if _RING_IN_PLACE:
-                # They read the ring: the next in-place write follows them (which also
-                # evaluates them with the next step, so that rebuilds do not chain).
-                self._ring_readers += [wk, wv]
-            else:
-                # Evaluated now: nothing may keep views of the ring past the next ring
-                # step.
-                mx.async_eval(wk, wv)
+            # They read the ring: the next in-place write follows them (which also
+            # evaluates them with the next step, so that rebuilds do not chain).
+            self._ring_readers += [wk, wv]
             self._win_k, self._win_v = wk, wv
             self._win_buf = None
             return
@@ -1598,15 +1579,11 @@ class TurboQuantKVCache(_BaseCache):
         if ring[2] == P:  # (at P + 1 the leaving token's append wrote it: _ring_append)
             self._ring = ring = None  # only the ring may hold it, or MLX copies it
             slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
-            if _RING_IN_PLACE:
-                # The ring's buffers are this cache's own (see _model_space_tail); the
-                # slot's last reader was the previous step's attention.
-                after, self._ring_readers = self._ring_readers, []
-                tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
-                                                     after=after)
-            else:
-                tail_k[:, :, slot : slot + 1] = new[0]
-                tail_v[:, :, slot : slot + 1] = new[1]
+            # The ring's buffers are this cache's own (see _model_space_tail); the
+            # slot's last reader was the previous step's attention.
+            after, self._ring_readers = self._ring_readers, []
+            tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
+                                                 after=after)
             self._ring = (tail_k, tail_v, P + 1)
         if len(self._win_pending) == self.fp16_recent_tokens:
             self._sync_window()  # (from the ring: see _sync_window)
