@@ -34,9 +34,7 @@ turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
 ``k<b>v<b>`` that is not a preset name (a plain TurboQuantKVCache with those bit
 widths: no sinks, window or levers; ``k4v3`` is the preset), or
 ``PRESET@wN`` (that preset with its last N tokens in fp16),
-``NAME:hostrot`` (cache NAME with the rotations run as their own
-``mx.hadamard_transform`` kernels around the ops instead of inside them, as with
-TURBOQUANT_OP_ROTATION=0), ``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a layer's
+``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a layer's
 in-place append of keys and values built as one graph node per tensor / per buffer
 instead of one: TURBOQUANT_APPEND_NODES), ``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
 kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0),
@@ -66,7 +64,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-import turboquant_mlx.cache as tq_cache
 from turboquant_mlx import _ext
 from turboquant_mlx.attention import install_hook
 from turboquant_mlx.cache import (
@@ -138,20 +135,17 @@ def weight_bytes(model):
 
 class variant:
     """Runs the enclosed calls as the cache name's variant asks: for a name ending in
-    ``:hostrot``, with the rotations around the ops instead of inside them; for one
-    ending in ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
+    ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
     graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
     one ending in ``:twolaunch``, with a layer's keys and values sent to the GPU as one
     kernel launch per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0)."""
 
     def __init__(self, name):
-        self.on = not name.endswith(":hostrot")
         self.two_launch = name.endswith(":twolaunch")
         m = re.search(r":nodes(\d)$", name)
         self.nodes = m.group(1) if m else None
 
     def __enter__(self):
-        self.saved, tq_cache._OP_ROTATION = tq_cache._OP_ROTATION, self.on
         self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.nodes:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
@@ -160,7 +154,6 @@ class variant:
             os.environ["TURBOQUANT_KV_ONE_LAUNCH"] = "0"
 
     def __exit__(self, *exc):
-        tq_cache._OP_ROTATION = self.saved
         os.environ.pop("TURBOQUANT_APPEND_NODES", None)
         if self.saved_nodes is not None:
             os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
@@ -191,8 +184,7 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = re.sub(r":nodes\d$", "", name.removesuffix(":hostrot")
-                  .removesuffix(":twolaunch"))
+    name = re.sub(r":nodes\d$", "", name.removesuffix(":twolaunch"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":

@@ -319,21 +319,19 @@ def test_attention_matches_reference(layout, L):
     )
 
 
-@pytest.mark.parametrize("op_rotation", [True, False], ids=["op-rotation", "host-rotation"])
+@pytest.mark.parametrize("D", [64, 160], ids=["op-rotation", "host-rotation"])
 @pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[3]],
                          ids=["plain", "window", "levers-sink-window"])
-def test_rotation_in_or_around_the_ops(monkeypatch, layout, op_rotation):
+def test_rotation_in_or_around_the_ops(layout, D):
     # Power-of-two head dims rotate inside the ops (the plain cache's step is then one
-    # call, a window preset's a ring step); TURBOQUANT_OP_ROTATION=0 rotates around
-    # them. Both must give what attention over the stored tokens gives, step after step.
-    import turboquant_mlx.cache as tq_cache
-
-    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
+    # call, a window preset's a ring step); other head dims rotate around them. Both
+    # must give what attention over the stored tokens gives, step after step.
     rng = np.random.default_rng(17)
-    cache, _, _ = _filled(rng, [45], B=1, H=2, D=64, **layout)
+    cache, _, _ = _filled(rng, [45], B=1, H=2, D=D, **layout)
+    assert (cache._op_signs() is not None) == (D == 64 and not cache.query_aware_keys)
     for step in range(40):
-        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
-        q = _rand(rng, (1, 4, 1, 64))
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, D)), _rand(rng, (1, 2, 1, D)))
+        q = _rand(rng, (1, 4, 1, D))
         got = cache.attention(q, 0.2, None)  # every step, as a model does
         if step % 13 == 12:
             K, V = cache.dequantized_keys_values(mx.float32)
@@ -1351,19 +1349,18 @@ def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
     # kept of it: with the rotation in the ops, from its ring slot in the node that
     # writes the new token there (ring-append), or, in a build without that node
     # (op-rotation), from the token as it arrived (so that the append does not hold the
-    # window buffer the step writes into); around the ops, the code-space copy in the
-    # last step's tail (not transformed again). The stored codes must be those of a
-    # cache that makes no attention calls.
-    import turboquant_mlx.cache as tq_cache
+    # window buffer the step writes into); around the ops (host-rotation: a head dim
+    # that is not a power of two), the code-space copy in the last step's tail (not
+    # transformed again). The stored codes must be those of a cache that makes no
+    # attention calls.
     from turboquant_mlx import ops
 
-    monkeypatch.setattr(tq_cache, "_OP_ROTATION", mode != "host-rotation")
     if mode != "ring-append":
         monkeypatch.setattr(ops, "has_ring_append", lambda *a: False)
     cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
                key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
     rng = np.random.default_rng(4)
-    B, H, D = 1, 2, 64
+    B, H, D = 1, 2, 160 if mode == "host-rotation" else 64
     attending, storing = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
     k, v = _rand(rng, (B, H, 40, D)) + 2.0, _rand(rng, (B, H, 40, D))
     for c in (attending, storing):
@@ -1412,15 +1409,12 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     # token's slot) and append to the window in place. Over several wraps of the ring
     # and rebuilds of the window buffer, every output, the codes and the window must be
     # those of a cache that rebuilds its tail from the fp16 window at every step.
-    # (The ring is in model space with the rotation in the ops, else in code space.)
-    import turboquant_mlx.cache as tq_cache
-
-    monkeypatch.setattr(tq_cache, "_OP_ROTATION", op_rotation)
-
+    # (The ring is in model space with the rotation in the ops, else in code space:
+    # host-rotation takes a head dim that is not a power of two.)
     cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
                calibration_tokens=16, seed=5)
     rng = np.random.default_rng(31)
-    B, H, D = 1, 2, 64
+    B, H, D = 1, 2, 64 if op_rotation else 160
     ring, rebuild = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
     k, v = _rand(rng, (B, H, 30, D)), _rand(rng, (B, H, 30, D))
     q = _rand(rng, (B, 2 * H, 30, D))

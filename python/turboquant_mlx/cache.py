@@ -181,11 +181,6 @@ def _half_queries_on_gpu(dtype) -> bool:
 
 _COMPILE = os.environ.get("TURBOQUANT_COMPILE", "1") != "0"
 
-# Head dims 2^k: the ops apply the rotation themselves (rotation_signs), so a decode
-# step has no rotation kernels of its own: the append rotates the new keys and values,
-# the attention op the queries and (values stored rotated) its output.
-# TURBOQUANT_OP_ROTATION=0 rotates with mx.hadamard_transform around the ops instead.
-_OP_ROTATION = os.environ.get("TURBOQUANT_OP_ROTATION", "1") != "0"
 
 def _all_finite(keys, values):
     return mx.logical_and(mx.all(mx.isfinite(keys)), mx.all(mx.isfinite(values)))
@@ -649,7 +644,7 @@ class TurboQuantKVCache(_BaseCache):
         take model-space tokens, queries and tails, center the tokens and undo the
         centering themselves (power-of-two head dims; not with query-aware keys,
         whose per-channel scale the ops do not apply)."""
-        if not _OP_ROTATION or self.query_aware_keys:
+        if self.query_aware_keys:
             return None
         return self._rotation.kernel_signs
 
