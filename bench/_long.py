@@ -39,7 +39,7 @@ ArraysCache on linear-attention layers); any other name goes through
 ``bench_decode.make_caches`` (a preset of ``turboquant_mlx.cache.PRESETS`` through
 ``turboquant_mlx.cache.make_prompt_cache``, which compresses the full-attention layers
 only, each TurboQuantKVCache ``reserve``d for the whole run as
-``turboquant_mlx.generate`` does; the ``NAME:variant`` suffixes of bench_decode apply).
+``turboquant_mlx.generate`` does).
 """
 
 import argparse
@@ -58,7 +58,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 import bench_decode
-from bench_decode import GiB, _arrays, kv_bytes, variant, weight_bytes  # noqa: F401
+from bench_decode import GiB, _arrays, kv_bytes, weight_bytes  # noqa: F401
 
 from turboquant_mlx import _ext
 
@@ -267,9 +267,9 @@ def device_line(a):
 
 
 def make_cache(model, name, total_tokens):
-    """The prompt cache called ``name``: ``fp16`` (and its variants but ``fp16:inplace``)
-    is mlx-lm's own, anything else ``bench_decode.make_caches``."""
-    if name.split(":")[0] == "fp16" and name != "fp16:inplace":
+    """The prompt cache called ``name``: ``fp16`` is mlx-lm's own, anything else
+    ``bench_decode.make_caches``."""
+    if name == "fp16":
         return mlx_make_prompt_cache(model)
     return bench_decode.make_caches(model, name, total_tokens)
 
@@ -351,19 +351,18 @@ def warm_up(model, name, a, vocab, after=None, fill=None):
     token)`` runs more steps on it. With ``fill`` (``fill_cache``'s ``kv_shape``,
     ``dtype``) the cache is filled with that many random tokens instead of a prompt."""
     t = time.perf_counter()
-    with variant(name):
-        cache = make_cache(model, name, a.warmup_tokens + 256)
-        if fill is None:
-            prompt = random_tokens(a.warmup_tokens, vocab, a.seed + 1)
-            rest = feed_prompt(model, cache, prompt, a.block)
-            y, logprobs = next_token(model, cache, rest)
-            mx.eval(y, logprobs)
-            del prompt, rest, logprobs
-        else:
-            fill_cache(model, cache, a.warmup_tokens, *fill)
-            y = mx.array([1], mx.uint32)
-        if after is not None:
-            after(cache, y)
+    cache = make_cache(model, name, a.warmup_tokens + 256)
+    if fill is None:
+        prompt = random_tokens(a.warmup_tokens, vocab, a.seed + 1)
+        rest = feed_prompt(model, cache, prompt, a.block)
+        y, logprobs = next_token(model, cache, rest)
+        mx.eval(y, logprobs)
+        del prompt, rest, logprobs
+    else:
+        fill_cache(model, cache, a.warmup_tokens, *fill)
+        y = mx.array([1], mx.uint32)
+    if after is not None:
+        after(cache, y)
     del cache, y
     free()
     how = "filled" if fill is not None else "prompt"

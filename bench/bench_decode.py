@@ -32,12 +32,8 @@ token written into its buffers in place, see InPlaceKVCache: CPU and CUDA), a pr
 name of
 turboquant_mlx.cache.PRESETS (through ``make_prompt_cache(model, preset=...)``),
 ``k<b>v<b>`` that is not a preset name (a plain TurboQuantKVCache with those bit
-widths: no sinks, window or levers; ``k4v3`` is the preset), or
-``PRESET@wN`` (that preset with its last N tokens in fp16),
-``NAME:nodes2`` / ``NAME:nodes4`` (cache NAME with a layer's
-in-place append of keys and values built as one graph node per tensor / per buffer
-instead of one: TURBOQUANT_APPEND_NODES), ``NAME:twolaunch`` (cache NAME with a layer's keys and values sent to the GPU as one
-kernel launch per tensor instead of one per node: TURBOQUANT_KV_ONE_LAUNCH=0),
+widths: no sinks, window or levers; ``k4v3`` is the preset),
+``PRESET@wN`` (that preset with its last N tokens in fp16), or
 ``affine<b>`` (mlx-lm's QuantizedKVCache, group size 64; with MLX 0.32.4's CUDA backend
 its decode step fails in ``mx.quantized_matmul`` -- "No implementation for problem
 shape" -- and the row shows that error). A cache that fails is reported in its row and
@@ -52,7 +48,6 @@ Usage:
 
 import argparse
 import gc
-import os
 import re
 import statistics
 import sys
@@ -133,36 +128,6 @@ def weight_bytes(model):
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-class variant:
-    """Runs the enclosed calls as the cache name's variant asks: for a name ending in
-    ``:nodes2`` or ``:nodes4``, with a layer's in-place append built as one
-    graph node per tensor or per buffer (TURBOQUANT_APPEND_NODES) instead of one; for
-    one ending in ``:twolaunch``, with a layer's keys and values sent to the GPU as one
-    kernel launch per tensor instead of one per node (TURBOQUANT_KV_ONE_LAUNCH=0)."""
-
-    def __init__(self, name):
-        self.two_launch = name.endswith(":twolaunch")
-        m = re.search(r":nodes(\d)$", name)
-        self.nodes = m.group(1) if m else None
-
-    def __enter__(self):
-        self.saved_nodes = os.environ.pop("TURBOQUANT_APPEND_NODES", None)
-        if self.nodes:
-            os.environ["TURBOQUANT_APPEND_NODES"] = self.nodes
-        self.saved_launch = os.environ.pop("TURBOQUANT_KV_ONE_LAUNCH", None)
-        if self.two_launch:
-            os.environ["TURBOQUANT_KV_ONE_LAUNCH"] = "0"
-
-    def __exit__(self, *exc):
-        os.environ.pop("TURBOQUANT_APPEND_NODES", None)
-        if self.saved_nodes is not None:
-            os.environ["TURBOQUANT_APPEND_NODES"] = self.saved_nodes
-        os.environ.pop("TURBOQUANT_KV_ONE_LAUNCH", None)
-        if self.saved_launch is not None:
-            os.environ["TURBOQUANT_KV_ONE_LAUNCH"] = self.saved_launch
-        return False
-
-
 class InPlaceKVCache(KVCache):
     """mlx-lm's fp16 KVCache with each new token written into its buffers in place
     (``_ext.write_tokens``). mlx-lm writes with ``slice_update``, which reuses a buffer
@@ -184,7 +149,6 @@ class InPlaceKVCache(KVCache):
 def make_caches(model, name, total_tokens):
     """The prompt cache called ``name`` (see the module docstring)."""
     n = len(model.layers)
-    name = re.sub(r":nodes\d$", "", name.removesuffix(":twolaunch"))
     if name == "fp16":
         return [KVCache() for _ in range(n)]
     if name == "fp16:inplace":
@@ -326,8 +290,7 @@ def main(argv=None):
             try:
                 t1 = time.perf_counter()
                 caches = make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
-                with variant(name):
-                    fill(caches, ctx, a, dtype)
+                fill(caches, ctx, a, dtype)
                 held[name] = caches
                 t_fill[name] = time.perf_counter() - t1
             except Exception as e:  # keep measuring the other caches
@@ -342,8 +305,7 @@ def main(argv=None):
         for r in range(a.rounds):
             for name in order[r % len(order):] + order[: r % len(order)]:
                 try:
-                    with variant(name):
-                        t, peak, ok, cp = time_decode(model, held[name], a)
+                    t, peak, ok, cp = time_decode(model, held[name], a)
                 except Exception as e:
                     errors[name] = e
                     continue

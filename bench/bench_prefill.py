@@ -69,7 +69,7 @@ import time
 import mlx.core as mx
 
 import _long
-from _long import GiB, context_label, fmt, gib, log, variant
+from _long import GiB, context_label, fmt, gib, log
 
 DEFAULT_CONTEXTS = "32768,131072,262144"
 DEFAULT_CACHES = "fp16,tq4,tq3,k4v3,tq4-plain"
@@ -146,17 +146,16 @@ def main(argv=None):
             cache = y = logprobs = None
             err = None
             try:
-                with variant(name):
-                    if name not in warmed:
-                        _long.warm_up(model, name, a, vocab)
-                        warmed.add(name)
-                    timer = _long.CacheTimer() if a.cache_time else None
-                    log(f"{label} {name}: prompt")
-                    cache, y, logprobs, m = _long.run_prompt(
-                        model, name, prompt, a, ctx + 16, f"{label} {name}", timer)
-                    mx.synchronize()
-                    peak = mx.get_peak_memory()
-                    ok = _long.finite(logprobs)
+                if name not in warmed:
+                    _long.warm_up(model, name, a, vocab)
+                    warmed.add(name)
+                timer = _long.CacheTimer() if a.cache_time else None
+                log(f"{label} {name}: prompt")
+                cache, y, logprobs, m = _long.run_prompt(
+                    model, name, prompt, a, ctx + 16, f"{label} {name}", timer)
+                mx.synchronize()
+                peak = mx.get_peak_memory()
+                ok = _long.finite(logprobs)
             except Exception as e:  # report it, keep measuring the other caches
                 log(f"{label} {name}: {type(e).__name__}: {e}")
                 err = (_long.failure(e), str(e)[:300], _long.is_oom(e))

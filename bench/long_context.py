@@ -80,7 +80,7 @@ import time
 import mlx.core as mx
 
 import _long
-from _long import GiB, context_label, fmt, gib, log, variant
+from _long import GiB, context_label, fmt, gib, log
 
 DEFAULT_MODELS = "llama8b,qwen35moe"
 DEFAULT_CACHES = "fp16,tq4,k4v3"
@@ -224,24 +224,23 @@ def main(argv=None):
             cache = y = logprobs = last = None
             err = None
             try:
-                with variant(name):
-                    _long.warm_up(model, name, a, vocab, after=after_warm_prompt, fill=fill)
-                    if fill is None:
-                        log(f"{model_name} {name}: prompt")
-                        cache, y, logprobs, m = _long.run_prompt(
-                            model, name, prompt, a, reserve, f"{model_name} {name} {label}")
-                        log(f"{model_name} {name}: prompt {m['prompt_s']:.1f} s, decode")
-                    else:
-                        log(f"{model_name} {name}: fill")
-                        cache, y, m = run_filled(model, name, a, reserve, fill)
-                        log(f"{model_name} {name}: filled in {m['fill_s']:.1f} s, decode")
-                    t_dec, (y, last) = decode(model, cache, y, a.decode_tokens)
-                    ok = _long.finite(last)
-                    log(f"{model_name} {name}: decode {t_dec:.2f} s, verify")
-                    t_ver, last = verify(model, cache, y, a.verify_steps, a.verify_tokens, drafts)
-                    mx.synchronize()
-                    peak = mx.get_peak_memory()
-                    ok = ok and (last is None or _long.finite(last))
+                _long.warm_up(model, name, a, vocab, after=after_warm_prompt, fill=fill)
+                if fill is None:
+                    log(f"{model_name} {name}: prompt")
+                    cache, y, logprobs, m = _long.run_prompt(
+                        model, name, prompt, a, reserve, f"{model_name} {name} {label}")
+                    log(f"{model_name} {name}: prompt {m['prompt_s']:.1f} s, decode")
+                else:
+                    log(f"{model_name} {name}: fill")
+                    cache, y, m = run_filled(model, name, a, reserve, fill)
+                    log(f"{model_name} {name}: filled in {m['fill_s']:.1f} s, decode")
+                t_dec, (y, last) = decode(model, cache, y, a.decode_tokens)
+                ok = _long.finite(last)
+                log(f"{model_name} {name}: decode {t_dec:.2f} s, verify")
+                t_ver, last = verify(model, cache, y, a.verify_steps, a.verify_tokens, drafts)
+                mx.synchronize()
+                peak = mx.get_peak_memory()
+                ok = ok and (last is None or _long.finite(last))
             except Exception as e:  # report it, keep measuring the other rows
                 log(f"{model_name} {name}: {type(e).__name__}: {e}")
                 err = (_long.failure(e), str(e)[:300], _long.is_oom(e))

@@ -83,8 +83,7 @@ def main(argv=None):
         held = {}
         for name in names:
             caches = bd.make_caches(model, name, ctx + a.rounds * (a.warmup + a.steps) + 1)
-            with bd.variant(name):
-                bd.fill(caches, ctx, a, dtype)
+            bd.fill(caches, ctx, a, dtype)
             held[name] = caches
         times = {n: {"build": [], "launch": [], "wait": []} for n in names}
         top = int(os.environ.get("TQ_PROFILE", "0"))
@@ -93,9 +92,8 @@ def main(argv=None):
             _profiler_range(True)
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                with bd.variant(name):
-                    got = phases(model, held[name], a.warmup + a.steps, a.warmup,
-                                 profiles.get(name))
+                got = phases(model, held[name], a.warmup + a.steps, a.warmup,
+                             profiles.get(name))
                 for k, v in got.items():
                     times[name][k] += v
         if os.environ.get("TQ_PROFILER_RANGE") == "1":

@@ -183,17 +183,6 @@ void check_token_slots(const char* op, const char* doing, int offset, int length
   }
 }
 
-// Graph nodes of in-place appends of `tensors` tensors (a layer's keys and values: 2):
-// one (the default), or with TURBOQUANT_APPEND_NODES=2 one per tensor, =4 one per
-// buffer, as donating appends are: a switch for measuring what fewer nodes save (a
-// call whose keys are accepted and values refused then writes the keys). Read at each
-// call, so that one process can time each.
-int in_place_append_nodes(int tensors) {
-  const char* v = std::getenv("TURBOQUANT_APPEND_NODES");
-  const int asked = v == nullptr ? 1 : std::atoi(v);
-  return asked >= 4 ? 4 : asked >= 2 && tensors > 1 ? 2 : 1;
-}
-
 // An input as the backend's kernels read it. The CPU kernels read row-major float32;
 // the GPU backends take any layout (their eval copies what their kernels cannot read
 // through strides) and float16/bfloat16 as they are, so a decode step gets no
@@ -300,10 +289,9 @@ PreparedAppend prepare_append(
 }
 
 /// The nodes of appends with the same offset: one node for all buffers (in_place), or,
-/// with TURBOQUANT_APPEND_NODES asking for them (or without in_place: donation needs
-/// single-output nodes), one node per tensor or per buffer. Outputs: codes, scales of
-/// each tensor in turn. (A node refuses bad tokens without writing any of its buffers;
-/// only one node for all tensors makes a refused call all-or-nothing.)
+/// without in_place (donation needs single-output nodes), one node per buffer. Outputs:
+/// codes, scales of each tensor in turn. (A node refuses bad tokens without writing any
+/// of its buffers, so an in-place call is all-or-nothing.)
 std::vector<mx::array> append_nodes(
     const char* op,
     const std::vector<std::pair<mx::array, mx::array>>& buffers,
@@ -311,35 +299,29 @@ std::vector<mx::array> append_nodes(
     int offset,
     bool in_place,
     const mx::Stream& stream) {
-  const int nodes = in_place ? in_place_append_nodes(int(appends.size())) : 4;
-  std::vector<mx::array> outputs;
-  if (nodes <= 2) {
-    // Both buffers of each tensor per node (no donation needed; see QuantizeAppend).
-    const size_t per_node = nodes == 1 ? appends.size() : 1;
-    for (size_t first = 0; first < appends.size(); first += per_node) {
-      std::vector<AppendPart> parts;
-      std::vector<mx::array> inputs;
-      std::vector<mx::Shape> shapes;
-      std::vector<mx::Dtype> dtypes;
-      for (size_t i = first; i < first + per_node; ++i) {
-        parts.push_back(appends[i].part);
-        for (const auto& b : {buffers[i].first, buffers[i].second}) {
-          inputs.push_back(b);
-          shapes.push_back(b.shape());
-          dtypes.push_back(b.dtype());
-        }
-        inputs.insert(inputs.end(), appends[i].rest.begin(), appends[i].rest.end());
+  if (in_place) {
+    // Every buffer in one node (no donation needed; see QuantizeAppend).
+    std::vector<AppendPart> parts;
+    std::vector<mx::array> inputs;
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> dtypes;
+    for (size_t i = 0; i < appends.size(); ++i) {
+      parts.push_back(appends[i].part);
+      for (const auto& b : {buffers[i].first, buffers[i].second}) {
+        inputs.push_back(b);
+        shapes.push_back(b.shape());
+        dtypes.push_back(b.dtype());
       }
-      auto out = mx::array::make_arrays(
-          std::move(shapes),
-          std::move(dtypes),
-          std::make_shared<QuantizeAppend>(
-              stream, offset, AppendTarget::Both, std::move(parts), in_place, op),
-          std::move(inputs));
-      outputs.insert(outputs.end(), out.begin(), out.end());
+      inputs.insert(inputs.end(), appends[i].rest.begin(), appends[i].rest.end());
     }
-    return outputs;
+    return mx::array::make_arrays(
+        std::move(shapes),
+        std::move(dtypes),
+        std::make_shared<QuantizeAppend>(
+            stream, offset, AppendTarget::Both, std::move(parts), in_place, op),
+        std::move(inputs));
   }
+  std::vector<mx::array> outputs;
   // One node per buffer, which can then donate it; a node copies its buffer only if it
   // is not row-contiguous or (without in_place) referenced elsewhere.
   for (size_t i = 0; i < appends.size(); ++i) {

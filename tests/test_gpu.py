@@ -157,13 +157,11 @@ def test_quantize_append_kv_bit_exact_vs_cpu(head_dim, x_dtype):
     np.testing.assert_array_equal(bits_of(got[2])[:, :, untouched], vw[:, :, untouched])
 
 
-@pytest.mark.parametrize("one_launch", ("1", "0"))
 @pytest.mark.parametrize("x_dtype", (mx.float16, mx.bfloat16))
-def test_kv_as_one_launch_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype):
+def test_kv_as_one_launch_bit_exact_vs_cpu(x_dtype):
     # Keys and values of the same bits and shape go to the GPU as one launch per node
-    # (the append and the token write; TURBOQUANT_KV_ONE_LAUNCH=0: one per tensor).
-    # Both ways match the CPU bit for bit, and only the written slots change.
-    monkeypatch.setenv("TURBOQUANT_KV_ONE_LAUNCH", one_launch)
+    # (the append and the token write). They match the CPU bit for bit, and only the
+    # written slots change.
     rng = np.random.default_rng(410)
     batch, heads, length, capacity, offset, head_dim = 2, 3, 5, 16, 7, 128
     kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, 4)
@@ -205,15 +203,14 @@ def test_kv_as_one_launch_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype):
     np.testing.assert_array_equal(raw(out_v), want_v)
 
 
-@pytest.mark.parametrize("one_launch", ("1", "0"))
 @pytest.mark.parametrize("x_dtype", (mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("bits", ((4, 4), (4, 2)))
-def test_ring_append_bit_exact_vs_cpu(monkeypatch, one_launch, x_dtype, bits):
+def test_ring_append_bit_exact_vs_cpu(x_dtype, bits):
     # A window ring's exchange (one node: the slot's tokens quantized, then the new
     # tokens written there) matches the CPU bit for bit: the codes and scales, and the
     # rings, whose other slots keep their bits. The append reads the slot before the
-    # write overwrites it (within one node, two launches on CUDA).
-    monkeypatch.setenv("TURBOQUANT_KV_ONE_LAUNCH", one_launch)
+    # write overwrites it (within one node, two launches on CUDA; keys and values of
+    # different bits as a launch each).
     rng = np.random.default_rng(411)
     batch, heads, capacity, offset, head_dim, slots, slot = 2, 3, 16, 7, 128, 36, 9
     kb, vb = bits

@@ -476,13 +476,6 @@ const char* backend_name() {
 
 namespace {
 
-/// Whether a node's keys and values go to the GPU as one launch (TURBOQUANT_KV_ONE_LAUNCH=0:
-/// one per tensor, for measuring what it saves). Read at each call, so that one process
-/// can time both.
-bool kv_one_launch() {
-  return env_int("TURBOQUANT_KV_ONE_LAUNCH", 1) != 0;
-}
-
 /// One part of a QuantizeAppend node, ready to launch: its buffers taken (in place, or
 /// copied), its inputs as the kernel reads them, and the kernel's arguments.
 struct PreparedPart {
@@ -589,7 +582,7 @@ bool quantize_append_at_once(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   const auto& parts = prim.parts();
-  if (parts.size() != 2 || parts[0].bits != parts[1].bits || !kv_one_launch()) {
+  if (parts.size() != 2 || parts[0].bits != parts[1].bits) {
     return false;
   }
   const size_t v_in = prim.inputs_of(0), nb = prim.buffers();
@@ -880,7 +873,7 @@ void write_tokens(
       enc.set_input_array(inputs[a]);
     }
   };
-  const bool pair = n == 2 && inputs[2].itemsize() == inputs[3].itemsize() && kv_one_launch();
+  const bool pair = n == 2 && inputs[2].itemsize() == inputs[3].itemsize();
   if (!pair) {
     for (int i = 0; i < n; ++i) {
       follow_readers();
