@@ -271,7 +271,8 @@ def main():
 
     if args.no_sweep:
         return
-    # Split-count sweep for the main shape (TURBOQUANT_ATTN_CTAS is read per call).
+    # Split-count sweep for the main shape (TURBOQUANT_ATTN_CTAS, set through _ext: the
+    # switches are read once).
     print("### Split sweep, 32q/8kv d128 K4V4, kernel only (µs, stream)\n")
     targets = (264, 528, 1056, 2112)
     print("| context | " + " | ".join(f"{t} CTAs" for t in targets) + " |")
@@ -279,10 +280,10 @@ def main():
     for n in lengths:
         cells = []
         for t in targets:
-            os.environ["TURBOQUANT_ATTN_CTAS"] = str(t)
+            _ext._set_env_switch("TURBOQUANT_ATTN_CTAS", str(t))
             (_, ts), _ = bench_turboquant(1, 32, 8, 128, n, 4, 4, kernel_only=True)
             cells.append(f"{ts * 1e6:.1f}")
-        os.environ.pop("TURBOQUANT_ATTN_CTAS", None)
+        _ext._set_env_switch("TURBOQUANT_ATTN_CTAS", os.environ.get("TURBOQUANT_ATTN_CTAS"))
         print(f"| {n // 1024}k | " + " | ".join(cells) + " |")
         mx.clear_cache()
 

@@ -2,10 +2,12 @@
 // turboquant_mlx.ops, which adds the rotation and the plain-MLX fallbacks.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "buffer_copies.h"
+#include "env.h"
 #include "gpu.h"
 #include "ops.h"
 
@@ -28,6 +30,10 @@ NB_MODULE(_ext, m) {
         "that could not reuse the cache's buffers (O(capacity) instead of O(new tokens)), or "
         "an attention call that copied codes its kernel cannot read in place. "
         "TURBOQUANT_DEBUG_COPIES=1 prints each one's cause to stderr.");
+  m.def("_set_env_switch", &tq::set_env_switch, "name"_a, "value"_a.none(),
+        "Sets a TURBOQUANT_* environment switch (None: unset) for the rest of the process, "
+        "as if the environment had held that value when it was first read: the switches "
+        "are read once (docs/ARCHITECTURE.md). For tests and benchmarks.");
   m.def("gpu_available", &tq::gpu::available,
         "True when this build carries GPU kernels.");
   m.def("gpu_backend", &tq::gpu::backend_name,

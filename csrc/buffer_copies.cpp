@@ -5,16 +5,15 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "env.h"
+
 namespace turboquant_mlx {
 
 namespace {
 std::atomic<int64_t> g_copies{0};
 
 bool debug_copies() {
-  static const bool on = [] {
-    const char* v = std::getenv("TURBOQUANT_DEBUG_COPIES");
-    return v != nullptr && std::strcmp(v, "0") != 0 && v[0] != '\0';
-  }();
+  static const bool on = env_switch("TURBOQUANT_DEBUG_COPIES").value_or("0") != "0";
   return on;
 }
 } // namespace

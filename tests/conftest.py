@@ -81,3 +81,24 @@ def _default_device(request):
     mx.set_default_device(_device_type(request.config))
     yield
     mx.set_default_device(_device_type(request.config))
+
+
+@pytest.fixture
+def env_switch(monkeypatch):
+    """``env_switch(name, value)`` sets a TURBOQUANT_* switch for one test. The C++ code
+    reads each switch once (csrc/env.h), so a change of the environment alone would go
+    unseen: the switch is set through ``_ext._set_env_switch`` too (and in the
+    environment, for Python code that reads it there), and goes back to the
+    environment's value when the test ends."""
+    from turboquant_mlx import _ext
+
+    saved = {}
+
+    def set_switch(name, value):
+        saved.setdefault(name, os.environ.get(name))
+        monkeypatch.setenv(name, value)
+        _ext._set_env_switch(name, value)
+
+    yield set_switch
+    for name, value in saved.items():
+        _ext._set_env_switch(name, value)

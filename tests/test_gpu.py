@@ -562,9 +562,9 @@ def rtol_for(q_dtype, head_dim, key_bits, value_bits, exact=1e-5):
 
 @pytest.mark.parametrize("kernel", ("default", "simt"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_attention_query_dtypes(monkeypatch, q_dtype, kernel):
+def test_attention_query_dtypes(env_switch, q_dtype, kernel):
     if kernel == "simt":
-        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
     rng = np.random.default_rng(11)
     for kv_len in (50, 5000):
         result = run_attention(rng, q_len=4, kv_len=kv_len, q_dtype=q_dtype, group=8)
@@ -646,12 +646,12 @@ def test_attention_half_queries_unaligned_query_rows(q_offset):
 
 @pytest.mark.parametrize("fused", ("0", "1"))
 @pytest.mark.parametrize("splits", ("3", "36"))
-def test_attention_half_queries_merge_in_kernel_or_apart(monkeypatch, fused, splits):
+def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, splits):
     # TURBOQUANT_FUSED_MERGE=1: with 4-bit keys the tensor-core kernel's last block per
     # (batch, KV head, rows) merges the splits; 0 (the default) launches the merge kernel
     # after it. The tail goes through both.
-    monkeypatch.setenv("TURBOQUANT_FUSED_MERGE", fused)
-    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    env_switch("TURBOQUANT_FUSED_MERGE", fused)
+    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
     for head_dim, q_dtype, tail in ((128, mx.float16, 0), (64, mx.bfloat16, 36), (256, mx.float16, 5)):
         result = run_attention(
@@ -673,8 +673,8 @@ def test_attention_half_queries_masks(mask):
 
 
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_half_queries_forced_splits(monkeypatch, splits):
-    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+def test_attention_half_queries_forced_splits(env_switch, splits):
+    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(100 + int(splits))
     for kv_len in (1, 130, 9000):
         q_len = min(kv_len, 2)
@@ -703,9 +703,9 @@ def test_attention_half_queries_large_magnitude():
 
 
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_forced_split_counts(monkeypatch, splits):
+def test_attention_forced_split_counts(env_switch, splits):
     # The split count is a tuning choice; every choice must give the same result.
-    monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(int(splits))
     for kv_len in (1, 130, 9000):
         q_len = min(kv_len, 2)
@@ -715,12 +715,12 @@ def test_attention_forced_split_counts(monkeypatch, splits):
 @pytest.mark.parametrize("splits", ("auto", "1", "3"))
 @pytest.mark.parametrize("kernel", ("default", "simt"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_attention_with_tail(monkeypatch, q_dtype, kernel, splits):
+def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
     # The tail joins the split-K merge; one split must still write partials for it.
     if kernel == "simt":
-        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
     if splits != "auto":
-        monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+        env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + len(splits))
     for kv_len, head_dim, tail, q_len, causal in (
         (17, 64, 1, 1, True),
@@ -739,15 +739,15 @@ def test_attention_with_tail(monkeypatch, q_dtype, kernel, splits):
 @pytest.mark.parametrize("kernel", ("default", "simt"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_attention_model_space_queries(monkeypatch, head_dim, q_dtype, kernel, splits):
+def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, splits):
     # rotation_signs: the kernels rotate the queries (the tensor-core kernel in its
     # query fragments, the portable one in its registers) and the merge rotates the
     # compressed tokens' output back, also with a single split; the tail is in model
     # space and joins after. Centered: the merge adds the means back.
     if kernel == "simt":
-        monkeypatch.setenv("TURBOQUANT_CUDA_ATTENTION", "simt")
+        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
     if splits != "auto":
-        monkeypatch.setenv("TURBOQUANT_ATTN_SPLITS", splits)
+        env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(head_dim + 7)
     rtol = rtol_for(q_dtype, head_dim, 4, 4)
     if q_dtype == mx.bfloat16:

@@ -7,13 +7,15 @@
 #include <thread>
 #include <vector>
 
+#include "env.h"
+
 namespace turboquant_mlx::cpu {
 
 /// Worker threads used by the kernels: TURBOQUANT_NUM_THREADS, else all cores.
 inline int num_threads() {
   static const int n = [] {
-    if (const char* env = std::getenv("TURBOQUANT_NUM_THREADS")) {
-      return std::max(1, std::atoi(env));
+    if (const auto asked = env_switch("TURBOQUANT_NUM_THREADS")) {
+      return std::max(1, std::atoi(asked->c_str()));
     }
     return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   }();

@@ -24,6 +24,7 @@
 
 #include "attention_mma.cuh"
 #include "buffer_copies.h"
+#include "env.h"
 #include "message.h"
 #include "gpu.h"
 #include "tq_entry.cuh"
@@ -155,11 +156,6 @@ int kernel_binary_arch(const void* symbol) {
     check(cudaFuncGetAttributes(&attr, symbol), "cudaFuncGetAttributes");
     return attr.binaryVersion;
   });
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::atoi(v) : fallback;
 }
 
 /// Device-memory pool for outputs and temporaries. Buffers are allocated stream-ordered
@@ -423,8 +419,7 @@ const void* mma_kernel_for(
   if (int64_t(kv_len) * d * std::max(kb, vb) / 8 > int64_t(UINT32_MAX)) {
     return nullptr;
   }
-  const char* choice = std::getenv("TURBOQUANT_CUDA_ATTENTION");
-  if (choice != nullptr && std::string(choice) == "simt") {
+  if (env_switch("TURBOQUANT_CUDA_ATTENTION") == "simt") {
     return nullptr;
   }
   const void* k = nullptr;

@@ -14,6 +14,7 @@
 #include "mlx/backend/metal/device.h"
 
 #include "buffer_copies.h"
+#include "env.h"
 #include "gpu.h"
 #include "tq_params.h"
 
@@ -37,11 +38,6 @@ const std::string& binary_dir() {
 MTL::ComputePipelineState* get_kernel(mx::metal::Device& d, const std::string& name) {
   auto* lib = d.get_library("turboquant_mlx", binary_dir());
   return d.get_kernel(name, lib);
-}
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::atoi(v) : fallback;
 }
 
 bool supported_head_dim(int d) {
