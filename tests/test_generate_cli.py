@@ -174,3 +174,14 @@ def test_cli_unknown_kv_preset_is_an_argument_error():
     status, err = _exit_status(["--kv-preset", "tq9", "--prompt", "hi"])
     assert status == 2 and "Traceback" not in err
     assert "argument --kv-preset:" in err and "'tq9'" in err and "valid presets" in err, err
+
+
+def test_cli_fp16_preset_with_bit_widths_is_refused():
+    # An uncompressed preset with bit widths is a contradiction, not a compressed cache.
+    proc = subprocess.run(
+        [sys.executable, "-m", "turboquant_mlx.generate", "--kv-preset", "fp16",
+         "--kv-key-bits", "3", "--prompt", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "fp16 is uncompressed" in proc.stderr and "Traceback" not in proc.stderr

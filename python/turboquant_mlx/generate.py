@@ -275,9 +275,12 @@ def main(argv: Optional[List[str]] = None):
             )
     else:
         try:
-            get_preset(args.kv_preset)  # fail early on an unknown preset
+            preset = get_preset(args.kv_preset)  # fail early on an unknown preset
         except ValueError as e:
             parser.error(f"argument --kv-preset: {e}")
+        if not preset.compressed and (args.kv_key_bits or args.kv_value_bits):
+            parser.error(f"argument --kv-preset: {args.kv_preset} is uncompressed; "
+                         "--kv-key-bits / --kv-value-bits need a compressed preset")
 
     model_path = args.model
     if using_cache and "model" in metadata:
