@@ -87,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-time", action="store_true",
                    help="report the share of the prompt's time in the caches' own work "
                         "(synchronising: slower prompt)")
+    p.add_argument("--check-finite", choices=("prefill", "always", "never"), default=None,
+                   help="TurboQuantKVCache.check_finite for this run (default: the class's, "
+                        "prefill: each prompt block's new tokens read on the host per layer)")
     _long.add_common_args(p)
     _long.add_model_args(p)
     return p.parse_args(argv)
@@ -104,6 +107,10 @@ def _baseline_from(records, a, ctx):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.check_finite is not None:
+        from turboquant_mlx.cache import TurboQuantKVCache
+
+        TurboQuantKVCache.check_finite = a.check_finite
     dtype = _long.setup_device(a)
     contexts = [int(x) for x in _long.split_names(a.contexts)]
     names = _long.split_names(a.caches)
