@@ -1,6 +1,6 @@
 """End-to-end demo: SmolLM2-135M-Instruct with an fp16 KV cache vs TurboQuant presets.
 
-A long prompt of real English text (a license from /usr/share/common-licenses) and a
+A long prompt of real English text (Python's license, then the system's license texts) and a
 question go through the same model once per cache; the demo prints, side by side, the
 KV-cache bytes, peak memory, prefill and decode speed, and the generated answers. While
 a prompt is read, its progress and tokens/s are shown on stderr.
@@ -13,6 +13,8 @@ a prompt is read, its progress and tokens/s are shown on stderr.
 import argparse
 import glob
 import os
+import sys
+import sysconfig
 import time
 
 import mlx.core as mx
@@ -25,9 +27,11 @@ QUESTION = "Question: According to the text above, what must you do if you distr
 
 
 def long_text(tokenizer, n_tokens: int) -> str:
-    """About n_tokens of real English from the system's license texts."""
-    paths = [p for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
-             if os.path.exists(p)]
+    """About n_tokens of real English: Python's own license text (every CPython install
+    has it, macOS included), then the system's license texts where there are any."""
+    paths = [os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")]
+    paths += [p for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
+              if os.path.exists(p)]
     paths += sorted(glob.glob("/usr/share/common-licenses/*"))
     text = ""
     for p in paths:
@@ -36,6 +40,10 @@ def long_text(tokenizer, n_tokens: int) -> str:
                 text += f.read() + "\n\n"
         if len(tokenizer.encode(text)) >= n_tokens:
             break
+    found = len(tokenizer.encode(text))
+    if found < n_tokens:
+        print(f"[demo] found {found} tokens of text for a {n_tokens}-token prompt; using them all",
+              file=sys.stderr)
     ids = tokenizer.encode(text)[:n_tokens]
     return tokenizer.decode(ids)
 
