@@ -114,6 +114,9 @@ __all__ = [
 _PREFIX = "[turboquant_mlx.cache]"
 _SUPPORTED_BITS = (2, 3, 4)
 _FORMAT_VERSION = 2
+# Format 3 is format 2 plus the model's head dim, written only by a cache whose head
+# dim is padded (see TurboQuantKVCache): its arrays hold the padded vectors.
+_FORMAT_VERSION_PADDED = 3
 
 # Older mlx-lm kept the non-array part of a cache's state in ``meta_state``
 # (a tuple of strings) and could only save arrays in ``state``.
@@ -141,6 +144,7 @@ _CONFIG_FIELDS = (
     "query_count",
 )
 _CONFIG_FIELDS_V1 = _CONFIG_FIELDS[:10]
+_CONFIG_FIELDS_V3 = _CONFIG_FIELDS + ("head_dim",)
 # k_codes, k_scales, v_codes, v_scales, sink_k, sink_v, win_k, win_v,
 # mu_k, mu_v, key_scale, query_energy
 _N_ARRAYS = 12
@@ -152,6 +156,31 @@ _ARRAY_FIELDS = (
 _WINDOW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _MAX_CONFIG_VALUE = 2**62  # configuration integers (counts, seed) of a state
 _ROPE_PAIRINGS = ("none", "half", "interleaved")
+
+
+_HEAD_DIM_ALIGN = 32  # the kernels take head dims that are multiples of this
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim a cache stores for a model head dim: ``head_dim`` itself where the
+    kernels take it (a multiple of 32 in [32, 256]), else the next multiple of 32 for
+    an even ``head_dim`` below 256 (the vectors are zero-padded; see
+    :class:`TurboQuantKVCache`). Raises ValueError for other head dims."""
+    d = int(head_dim)
+    if d <= 0 or d % 2 or d > 256:
+        raise ValueError(
+            f"head dim {head_dim} is not supported (even head dims up to 256 are: "
+            f"multiples of {_HEAD_DIM_ALIGN} as they are, others zero-padded to the next one)"
+        )
+    return -(-d // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
+
+
+def _pad_last(x: mx.array, d: int) -> mx.array:
+    """``x`` zero-padded along its last axis to ``d``."""
+    extra = d - x.shape[-1]
+    if extra == 0:
+        return x
+    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def _check_int(name, value, minimum=0):
@@ -381,6 +410,20 @@ class TurboQuantKVCache(_BaseCache):
             undo. Keys are rotated either way. Not part of the saved state (a cache
             rebuilt from a state rotates its values).
 
+    Head dims: the kernels take multiples of 32 in [32, 256]. Any other even head dim
+    ``D`` up to 256 (80, 112, 72, ...) is stored zero-padded to ``D'``, the next
+    multiple of 32: a head vector ``x`` is stored as ``(x, 0)`` and the layer's
+    rotation is one of ``R^D'``. A random rotation maps the direction of ``(x, 0)`` to
+    a uniform point of the sphere of ``R^D'``, so the ``D'``-dim codebook is the right
+    one, and with the queries padded too the dot products are those of ``x``: attention
+    is exact up to quantization. The cost is ``D'/D`` times the code bits per token
+    (80: 1.2x, 112: 1.14x, 72: 1.33x), and the fp16 sinks and window are stored padded
+    too (counted in ``nbytes``). The queries, the attention output and
+    :meth:`dequantized_keys_values` have the model's head dim (:attr:`head_dim`;
+    :attr:`stored_head_dim` is ``D'``); a saved state holds the padded arrays and the
+    model's head dim (format 3). The value rotation cannot be folded into ``W_v``/``W_o``
+    (:mod:`turboquant_mlx.fold`) at a padded head dim.
+
     ``update_and_fetch`` refuses (ValueError) tokens of the wrong shape, and keys or
     values that are not finite once rounded to the fp16 storage, before it changes
     anything: a refused update leaves the cache as it was. The finiteness check reads
@@ -472,6 +515,7 @@ class TurboQuantKVCache(_BaseCache):
         self.rope_dims = _check_int("rope_dims", rope_dims)
         self.calibration_tokens = _check_int("calibration_tokens", calibration_tokens, 1)
         self._head_dim = None
+        self._model_dim = None
         self._rotation = None
 
     def _reset_storage(self):
@@ -564,22 +608,39 @@ class TurboQuantKVCache(_BaseCache):
         return self.fp16_recent_tokens + self.rollback_tokens
 
     def _init_codec(self, head_dim: int):
+        """Sets up the codec for the model's head dim (stored padded if need be)."""
+        try:
+            stored = padded_head_dim(head_dim)
+        except ValueError as e:
+            raise ValueError(f"{_PREFIX} {e}.") from None
         for bits in (self.key_bits, self.value_bits):
             try:
-                ops.words_per_token(head_dim, bits)
+                ops.words_per_token(stored, bits)
             except Exception as e:
                 raise ValueError(
                     f"{_PREFIX} head_dim {head_dim} is not supported at {bits} bits: {e}"
                 ) from e
-        self._head_dim = int(head_dim)
+        self._model_dim = int(head_dim)
+        self._head_dim = stored
         self._rotation = Rotation(self._head_dim, self.seed)
         self._k_centroids = codebook.centroids(self._head_dim, self.key_bits)
         self._v_centroids = codebook.centroids(self._head_dim, self.value_bits)
 
     @property
     def head_dim(self) -> Optional[int]:
-        """Head dim of the stored vectors (``None`` before the first update)."""
+        """The model's head dim (``None`` before the first update)."""
+        return self._model_dim
+
+    @property
+    def stored_head_dim(self) -> Optional[int]:
+        """Head dim of the stored vectors: :attr:`head_dim`, or the next multiple of 32
+        where the cache pads (``None`` before the first update)."""
         return self._head_dim
+
+    @property
+    def padded(self) -> bool:
+        """Whether the cache stores zero-padded vectors (see the class docstring)."""
+        return self._head_dim is not None and self._head_dim != self._model_dim
 
     @property
     def rotation(self) -> Optional[Rotation]:
@@ -740,7 +801,13 @@ class TurboQuantKVCache(_BaseCache):
     key_scale_max = 8.0  # a is clamped to [1/key_scale_max, key_scale_max]
 
     def _key_scale_from(self, q_energy: mx.array, k_energy: mx.array) -> mx.array:
-        """``a`` ``(B, H, 1, D)`` from mean query and (centered) key energies ``(B, H, D)``."""
+        """``a`` ``(B, H, 1, D)`` from mean query and (centered) key energies ``(B, H, D)``
+        (computed on the model's channels; 1 on padded channels)."""
+        D = q_energy.shape[-1]
+        if self._model_dim is not None and self._model_dim < D:
+            m = self._model_dim
+            a = self._key_scale_from(q_energy[..., :m], k_energy[..., :m])
+            return mx.concatenate([a, mx.ones(a.shape[:-1] + (D - m,), a.dtype)], axis=-1)
         sq = self._pair_mean(q_energy)
         sk = self._pair_mean(k_energy)
         # Regularize channels without energy (a few calibration tokens) relative to
@@ -833,11 +900,11 @@ class TurboQuantKVCache(_BaseCache):
                 f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
             )
         if self._head_dim is not None and (
-                keys.shape[-1] != self._head_dim
+                keys.shape[-1] != self._model_dim
                 or (keys.shape[0], keys.shape[1]) != self._batch_heads):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
-                f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
+                f"(B, H_kv, D) = {self._batch_heads + (self._model_dim,)}."
             )
         given = keys, values
         window_dtype = self.window_dtype
@@ -858,6 +925,9 @@ class TurboQuantKVCache(_BaseCache):
         if self._head_dim is None:
             self._init_codec(keys.shape[-1])  # (refuses an unsupported head dim first)
             self._batch_heads = (keys.shape[0], keys.shape[1])
+        if self._head_dim != self._model_dim:  # zero-padded from here on
+            keys = _pad_last(keys, self._head_dim)
+            values = _pad_last(values, self._head_dim)
         self.window_dtype = window_dtype
         if not self._calibrated and self._held_tokens() >= self.calibration_tokens:
             self._calibrate()  # no attention call came since those tokens arrived
@@ -1175,10 +1245,10 @@ class TurboQuantKVCache(_BaseCache):
         if self.offset == 0 or self._head_dim is None:
             raise ValueError(f"{_PREFIX} attention on an empty cache.")
         B, n_q, L, D = queries.shape
-        if D != self._head_dim or B != self._batch_heads[0] or n_q % self._batch_heads[1]:
+        if D != self._model_dim or B != self._batch_heads[0] or n_q % self._batch_heads[1]:
             raise ValueError(
                 f"{_PREFIX} queries {tuple(queries.shape)} do not match the cache "
-                f"(B, H_kv, D) = {self._batch_heads + (self._head_dim,)}."
+                f"(B, H_kv, D) = {self._batch_heads + (self._model_dim,)}."
             )
         if L > self.offset:
             raise ValueError(f"{_PREFIX} {L} queries but only {self.offset} cached tokens.")
@@ -1197,6 +1267,8 @@ class TurboQuantKVCache(_BaseCache):
             )
         if self._fresh is not None and self._fresh[0].shape[2] != L:
             self._fresh = None  # these queries are not the block that just arrived
+        if D != self._head_dim:  # padded queries: dot products unchanged
+            queries = _pad_last(queries, self._head_dim)
         if L <= self.decode_max_queries:
             if not self._calibrated:
                 out = self._attend_calibrating(queries, scale, mask, sinks)
@@ -1208,6 +1280,8 @@ class TurboQuantKVCache(_BaseCache):
                 if self._held_tokens() >= self.calibration_tokens:
                     self._calibrate()
             out = self._attend_prefill(queries, scale, mask, sinks)
+        if D != self._head_dim:
+            out = out[..., :D]
         return out.astype(queries.dtype)
 
     def _attend_steps(self, queries, scale, mask, sinks):
@@ -1838,7 +1912,10 @@ class TurboQuantKVCache(_BaseCache):
             i0 = wpos - self._win_start
             ks.append(self._win_k[:, :, i0:].astype(dtype))
             vs.append(self._win_v[:, :, i0:].astype(dtype))
-        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+        k, v = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+        if self._head_dim != self._model_dim:
+            k, v = k[..., : self._model_dim], v[..., : self._model_dim]
+        return k, v
 
     # -- protocol ---------------------------------------------------------------------
 
@@ -1947,12 +2024,12 @@ class TurboQuantKVCache(_BaseCache):
         if self._head_dim is None:
             return 0
         B, H = self._batch_heads
-        return 2 * B * H * self.offset * self._head_dim * bytes_per_element
+        return 2 * B * H * self.offset * self._model_dim * bytes_per_element
 
     # -- state ------------------------------------------------------------------------
 
     def _config_values(self) -> List[int]:
-        return [
+        values = [
             _FORMAT_VERSION, self.key_bits, self.value_bits, self.seed,
             self.fp16_sink_tokens, self.fp16_recent_tokens, self.rollback_tokens,
             self.offset, self._n_comp, self._win_start,
@@ -1960,6 +2037,10 @@ class TurboQuantKVCache(_BaseCache):
             _ROPE_PAIRINGS.index(self.rope_pairing), self.rope_dims,
             self.calibration_tokens, int(self._calibrated), self._q_count,
         ]
+        if self.padded:  # format 3: the arrays hold padded vectors of the model's dim
+            values[0] = _FORMAT_VERSION_PADDED
+            values.append(self._model_dim)
+        return values
 
     def _state_arrays(self) -> List[mx.array]:
         n = self._n_comp
@@ -2000,6 +2081,7 @@ class TurboQuantKVCache(_BaseCache):
         v = list(v)
         layouts = {
             _N_ARRAYS + len(_CONFIG_FIELDS): _N_ARRAYS,
+            _N_ARRAYS + len(_CONFIG_FIELDS_V3): _N_ARRAYS,
             _N_ARRAYS_V1 + len(_CONFIG_FIELDS_V1): _N_ARRAYS_V1,
         }
         if len(v) in layouts:
@@ -2014,7 +2096,8 @@ class TurboQuantKVCache(_BaseCache):
         else:
             raise ValueError(
                 f"{_PREFIX} a state has {_N_ARRAYS} arrays and optionally "
-                f"{len(_CONFIG_FIELDS)} integers (format 1: {_N_ARRAYS_V1} and "
+                f"{len(_CONFIG_FIELDS)} integers ({len(_CONFIG_FIELDS_V3)} with a padded head "
+                f"dim; format 1: {_N_ARRAYS_V1} and "
                 f"{len(_CONFIG_FIELDS_V1)}); got {len(v)} entries."
             )
 
@@ -2050,7 +2133,7 @@ class TurboQuantKVCache(_BaseCache):
         values = list(values)
         ints = []
         for i, x in enumerate(values):
-            name = _CONFIG_FIELDS[i] if i < len(_CONFIG_FIELDS) else f"#{i}"
+            name = _CONFIG_FIELDS_V3[i] if i < len(_CONFIG_FIELDS_V3) else f"#{i}"
             shown = f"an array of shape {tuple(x.shape)}" if isinstance(x, mx.array) else repr(x)
             try:
                 if isinstance(x, mx.array):
@@ -2063,11 +2146,12 @@ class TurboQuantKVCache(_BaseCache):
                     f"{_PREFIX} configuration value {name} must be an integer, got {shown[:80]}."
                 ) from e
         version = ints[0] if ints else None
-        fields = {1: _CONFIG_FIELDS_V1, _FORMAT_VERSION: _CONFIG_FIELDS}.get(version)
+        fields = {1: _CONFIG_FIELDS_V1, _FORMAT_VERSION: _CONFIG_FIELDS,
+                  _FORMAT_VERSION_PADDED: _CONFIG_FIELDS_V3}.get(version)
         if fields is None:
             raise ValueError(
                 f"{_PREFIX} unsupported state format version {version} "
-                f"(this build reads versions 1 and {_FORMAT_VERSION})."
+                f"(this build reads versions 1 to {_FORMAT_VERSION_PADDED})."
             )
         if len(ints) != len(fields):
             raise ValueError(
@@ -2086,6 +2170,15 @@ class TurboQuantKVCache(_BaseCache):
                 raise ValueError(
                     f"{_PREFIX} configuration value {name} must be 0 or 1, got {cfg[name]}."
                 )
+        state_dim = cfg.get("head_dim")
+        if state_dim is not None:
+            try:
+                stored = padded_head_dim(state_dim)
+            except ValueError as e:
+                raise ValueError(f"{_PREFIX} configuration value head_dim: {e}.") from None
+            if stored == state_dim:
+                raise ValueError(f"{_PREFIX} configuration value head_dim = {state_dim} in a "
+                                 "padded state (format 3), but that head dim is not padded.")
         pairing = cfg.get("rope_pairing", 1)
         if not 0 <= pairing < len(_ROPE_PAIRINGS):
             raise ValueError(f"{_PREFIX} unknown rope_pairing code {pairing}.")
@@ -2103,6 +2196,7 @@ class TurboQuantKVCache(_BaseCache):
         if not (self.center or self.query_aware_keys) and not self._calibrated:
             raise ValueError(f"{_PREFIX} inconsistent state: uncalibrated without levers.")
         self._q_count = _check_int("query_count", cfg.get("query_count", 0))
+        self._state_head_dim = state_dim  # the model's head dim where the arrays are padded
         self._config_set = True
 
     def _set_arrays(self, arrays):
@@ -2187,6 +2281,10 @@ class TurboQuantKVCache(_BaseCache):
         else:
             head_dim = ref.shape[3]
         wk_words, wv_words = self._check_head_dim(head_dim, bad)
+        model_dim = getattr(self, "_state_head_dim", None) or head_dim
+        if padded_head_dim(model_dim) != head_dim:
+            raise bad(f"head dim {model_dim} is stored padded to {padded_head_dim(model_dim)}, "
+                      f"but the arrays hold {head_dim} channels")
 
         # fp16 segments: keys and values of one shape (B, H, tokens, D), one float dtype.
         dense = [(k, named[k]) for k in ("sink_keys", "sink_values", "window_keys",
@@ -2253,7 +2351,7 @@ class TurboQuantKVCache(_BaseCache):
         # Everything checked: store.
         self._drop_code_space()
         self._buffers_private = False  # the caller's arrays
-        self._init_codec(head_dim)
+        self._init_codec(model_dim)
         self._batch_heads = (B, H)
         if dense:
             self.window_dtype = dense[0][1].dtype
@@ -2813,8 +2911,9 @@ def make_prompt_cache(
 
 
 def _check_layer_head_dim(model, i: int, cfg: Mapping[str, Any]):
-    """Refuses, before any token is seen, a layer whose head dim the kernels do not
-    take (read from the layer's attention module where it says, as mlx-lm's do)."""
+    """Refuses, before any token is seen, a layer whose head dim the cache does not
+    take, even padded (read from the layer's attention module where it says, as
+    mlx-lm's do)."""
     try:
         layer = model.layers[i]
     except (AttributeError, IndexError, TypeError):
@@ -2828,7 +2927,7 @@ def _check_layer_head_dim(model, i: int, cfg: Mapping[str, Any]):
         return
     for bits in {cfg["key_bits"], cfg["value_bits"]}:
         try:
-            ops.words_per_token(int(head_dim), bits)
+            ops.words_per_token(padded_head_dim(head_dim), bits)
         except ValueError as e:
             raise ValueError(
                 f"{_PREFIX} layer {i} ({name} of {type(layer).__name__}) has head dim "

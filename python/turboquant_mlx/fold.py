@@ -303,6 +303,12 @@ def _attention_modules(model) -> Tuple[str, List[Any], int]:
         head_dim = v_out // n_kv
         if getattr(attn, "head_dim", head_dim) != head_dim:
             raise ValueFoldError(f"{_PREFIX} layer {i}: head_dim does not match v_proj.")
+        if head_dim % 32:
+            raise ValueFoldError(
+                f"{_PREFIX} layer {i}: head dim {head_dim} is not a multiple of 32; the cache "
+                "stores it zero-padded with a rotation of the padded dim, which W_v/W_o "
+                "cannot carry. Use the cache without folding."
+            )
         head_dims.add(head_dim)
         attns.append(attn)
     if len(head_dims) > 1:

@@ -304,6 +304,7 @@ def _check_turboquant_state(state: List[Any]) -> None:
 
     layouts = {
         tq_cache._N_ARRAYS + len(tq_cache._CONFIG_FIELDS): tq_cache._N_ARRAYS,
+        tq_cache._N_ARRAYS + len(tq_cache._CONFIG_FIELDS_V3): tq_cache._N_ARRAYS,
         tq_cache._N_ARRAYS_V1 + len(tq_cache._CONFIG_FIELDS_V1): tq_cache._N_ARRAYS_V1,
     }
     n = layouts.get(len(state))
@@ -316,7 +317,7 @@ def _check_turboquant_state(state: List[Any]) -> None:
         if i < n and not isinstance(x, mx.array):
             raise ValueError(f"{tq_cache._ARRAY_FIELDS[i]} is not an array")
         if i >= n and (isinstance(x, bool) or not isinstance(x, int)):
-            field = tq_cache._CONFIG_FIELDS[i - n]
+            field = tq_cache._CONFIG_FIELDS_V3[i - n]
             raise ValueError(f"configuration value {field} is not an integer")
 
 
