@@ -182,17 +182,21 @@ class DequantizedReferenceCache(_BaseCache):
         self.fresh_from = None
 
     def _reconstruct(self, x, bits, mu=None, a=None):
+        # A head dim the kernels do not take is zero-padded to the next multiple of 32
+        # and coded there (TurboQuantKVCache's docstring).
         D = x.shape[-1]
-        R = Rotation(D, self.seed).matrix()
-        c = codebook.lloyd_max_centroids(D, bits).astype(np.float32)
+        Dp = -(-D // 32) * 32
+        R = Rotation(Dp, self.seed).matrix()
+        c = codebook.lloyd_max_centroids(Dp, bits).astype(np.float32)
         x = np.asarray(x, np.float64)
         if mu is not None:
             x = x - mu
         if a is not None:
             x = x * a
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (Dp - D,))], axis=-1)
         y = reference.rotate(x, R).astype(np.float32)
         codes, scales = reference.quantize(y, c, bits)
-        out = reference.unrotate(reference.dequantize(codes, scales, c), R)
+        out = reference.unrotate(reference.dequantize(codes, scales, c), R)[..., :D]
         if a is not None:
             out = out / a
         if mu is not None:

@@ -589,17 +589,23 @@ class TurboQuantKVCache(_BaseCache):
     @property
     def key_mean(self) -> Optional[mx.array]:
         """``mu_k`` ``(B, H_kv, 1, D)`` float32, or None (no centering / not calibrated)."""
-        return self._mu_k
+        return self._model_channels(self._mu_k)
 
     @property
     def value_mean(self) -> Optional[mx.array]:
         """``mu_v`` ``(B, H_kv, 1, D)`` float32, or None."""
-        return self._mu_v
+        return self._model_channels(self._mu_v)
 
     @property
     def key_scale(self) -> Optional[mx.array]:
         """The key scale ``a`` ``(B, H_kv, 1, D)`` float32, or None (identity)."""
-        return self._key_scale
+        return self._model_channels(self._key_scale)
+
+    def _model_channels(self, a: Optional[mx.array]) -> Optional[mx.array]:
+        """``a`` without the padded channels (see the class docstring)."""
+        if a is None or self._model_dim is None or a.shape[-1] == self._model_dim:
+            return a
+        return a[..., : self._model_dim]
 
     @property
     def _window_capacity(self) -> int:
