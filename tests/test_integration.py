@@ -477,13 +477,39 @@ def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama):
     assert mx.array_equal(out, reference.attention(q, scale=0.125, mask=None))
 
 
-def test_unsupported_head_dim_is_refused_when_the_cache_is_made():
-    # Head dim 80 (phi-2-like): the kernels take multiples of 32, so make_prompt_cache
-    # refuses naming the layer, before any forward pass would fail inside it; kept in
-    # fp16, the layer works and the others are compressed.
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[6]], ids=["plain", "levers"])
+def test_padded_head_dim_logits_match_dequantized_reference(cfg):
+    # Head dim 80 (phi-2-like): not a multiple of 32, so the cache stores the heads
+    # zero-padded to 96; the logits are those of the reference codec padded alike.
     model = build_model("llama_d128", head_dim=80)
-    with pytest.raises(ValueError, match=r"layer 0 .*head dim 80.*fp16_layers"):
+    cache = make_prompt_cache(model, "tq4")
+    assert all(isinstance(c, TurboQuantKVCache) for c in cache)
+    cache = shadow_caches(model, seed=3, rollback_tokens=4, **cfg)
+    ref = reference_caches(model, cfg["key_bits"], cfg["value_bits"], seed=3,
+                           fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
+                           **{k: cfg[k] for k in _LEVERS if k in cfg})
+    tokens = _tokens(sum(SCHEDULE))
+    got = _run(model, cache, tokens, SCHEDULE)
+    for c in cache:
+        assert c.head_dim == 80 and c.stored_head_dim == 96
+        assert [n for n, _ in c.diffs] == SCHEDULE
+    with route_reference_attention():
+        want = _run(model, ref, tokens, SCHEDULE)
+    levers = cfg.get("center", False) or cfg.get("query_aware_keys", False)
+    atol = ATOL_LEVERS if levers else ATOL
+    for n, g, w in zip(SCHEDULE, got, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}")
+
+
+@pytest.mark.parametrize("head_dim", [81, 288])
+def test_unsupported_head_dim_is_refused_when_the_cache_is_made(head_dim):
+    # Odd head dims and head dims above 256 cannot be padded to what the kernels take:
+    # make_prompt_cache refuses naming the layer, before any forward pass would fail
+    # inside it; kept in fp16, the layer works (RoPE itself takes only even dims).
+    model = build_model("llama_d128", head_dim=head_dim)
+    with pytest.raises(ValueError, match=rf"layer 0 .*head dim {head_dim}.*fp16_layers"):
         make_prompt_cache(model, "tq4")
     cache = make_prompt_cache(model, "tq4", fp16_layers=range(len(model.layers)))
     assert all(type(c) is KVCache for c in cache)
-    _run(model, cache, _tokens(12, seed=1), [12])
+    if head_dim % 2 == 0:
+        _run(model, cache, _tokens(12, seed=1), [12])
