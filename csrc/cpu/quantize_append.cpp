@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/stream.h"
 
 #include "buffer_copies.h"
 #include "message.h"
@@ -127,11 +128,11 @@ void quantize_append(
         two ? (index == 0 ? "key " : "value ") : ""});
     ++index;
   });
-  encoder.dispatch([jobs = std::move(jobs),
-                    op = prim.op(),
-                    offset = prim.offset(),
-                    ring_slot,
-                    done]() {
+  auto task = [jobs = std::move(jobs),
+               op = prim.op(),
+               offset = prim.offset(),
+               ring_slot,
+               done]() {
     // Every part's tokens are checked and quantized into scratch first; a refusal
     // raises before any buffer is written.
     auto refuse = [op](const auto&... args) {
@@ -230,7 +231,15 @@ void quantize_append(
     if (done) {
       done->fetch_add(1);
     }
-  });
+  };
+  // The task may refuse its tokens. MLX 0.32's CPU scheduler keeps an error thrown on
+  // its stream thread and rethrows it at a later enqueue, between the two halves of a
+  // command encoder's dispatch, which leaves a task counted as active forever; a few
+  // such leaks and every later eval waits on them. So the stream is drained (the
+  // inputs are then computed and no earlier task reads the buffers) and the task runs
+  // here, where a refusal raises out of eval like any argument check.
+  mx::synchronize(s);
+  task();
 }
 
 mx::array ring_slots_f32(const mx::array& ring, int slot, int length, const mx::Stream& s) {
