@@ -87,9 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-time", action="store_true",
                    help="report the share of the prompt's time in the caches' own work "
                         "(synchronising: slower prompt)")
-    p.add_argument("--check-finite", choices=("prefill", "always", "never"), default=None,
+    p.add_argument("--check-finite", choices=("auto", "always", "never"), default=None,
                    help="TurboQuantKVCache.check_finite for this run (default: the class's, "
-                        "prefill: each prompt block's new tokens read on the host per layer)")
+                        "auto: each prompt block's new tokens read on the host per layer)")
     _long.add_common_args(p)
     _long.add_model_args(p)
     return p.parse_args(argv)

@@ -428,13 +428,13 @@ class TurboQuantKVCache(_BaseCache):
     values that are not finite once rounded to the fp16 storage, before it changes
     anything: a refused update leaves the cache as it was. The finiteness check reads
     the new tokens, so the host waits for them to be computed. Attribute
-    ``check_finite`` (class or instance) says which updates it checks: ``"prefill"``
-    (default) blocks of more than ``decode_max_queries`` tokens, where the wait costs
-    nothing measurable; ``"always"`` decode and verify steps too, at the price of
-    pipelined decoding (the next step's graph is then built after this step's keys are
-    known, not while they are computed); ``"never"``. An unchecked non-finite token
-    makes the attention outputs that see it NaN, as with an fp16 cache, and the append
-    that quantizes it refuses it on the CPU.
+    ``check_finite`` (class or instance) says which updates it checks: ``"auto"``
+    (default) every prompt block (more than ``decode_max_queries`` tokens) and, on the
+    CPU, whose append kernels would refuse such tokens later, every update; ``"always"``
+    decode and verify steps on a GPU too, at the price of pipelined decoding (the next
+    step's graph is then built after this step's keys are known, not while they are
+    computed); ``"never"``. On a GPU an unchecked non-finite token is stored as it is
+    and makes the attention outputs that see it NaN, as with an fp16 cache.
 
     Note:
         The class has no attribute ``bits``: mlx-lm sends any cache that has one to
@@ -446,8 +446,8 @@ class TurboQuantKVCache(_BaseCache):
     growth = 1.25  # capacity grows at least by this factor when full
     decode_max_queries = 8  # larger query blocks take the prefill path
     # Which updates are checked for non-finite tokens before anything changes (see the
-    # class docstring): "prefill", "always" or "never".
-    check_finite = "prefill"
+    # class docstring): "auto", "always" or "never".
+    check_finite = "auto"
     default_prefill_budget_bytes = 1 << 30
 
     def __init__(
@@ -920,11 +920,11 @@ class TurboQuantKVCache(_BaseCache):
         keys = keys.astype(window_dtype)
         values = values.astype(window_dtype)
         check = self.check_finite
-        if check not in ("prefill", "always", "never"):
-            raise ValueError(f"{_PREFIX} check_finite must be 'prefill', 'always' or 'never', "
+        if check not in ("auto", "always", "never"):
+            raise ValueError(f"{_PREFIX} check_finite must be 'auto', 'always' or 'never', "
                              f"got {check!r}.")
-        checked = check == "always" or (
-            check == "prefill" and keys.shape[2] > self.decode_max_queries)
+        checked = check == "always" or check == "auto" and (
+            keys.shape[2] > self.decode_max_queries or mx.default_device() == mx.cpu)
         if checked and not _fused_all_finite(keys, values).item():
             raise ValueError(self._not_finite_message(given, window_dtype))
         # Everything checked (a refused update changes nothing): store.
