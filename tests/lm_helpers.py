@@ -156,6 +156,16 @@ def reference_key_scale(q_energy, k_energy, pairing="half", rope_dims=0, limit=8
 DECODE_MAX_QUERIES = 8
 
 
+def row_mask(mask, L, i, pos, p):
+    """The mask of row ``i`` (position ``p``) of an ``L``-query block, for attention of
+    that row alone over keys at positions ``pos``."""
+    if isinstance(mask, str):
+        return mx.array(pos <= p)[None]
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
+        return mask[..., i : i + 1, :]
+    return mask
+
+
 class DequantizedReferenceCache(_BaseCache):
     """Uncompressed cache showing attention what a TurboQuant cache must show (see doc)."""
 
@@ -326,14 +336,9 @@ class DequantizedReferenceCache(_BaseCache):
             sel = exact[None, None, :, None]
             K = mx.array(np.where(sel, self.k, k_hat)).astype(self._dtype)
             V = mx.array(np.where(sel, self.v, v_hat)).astype(self._dtype)
-            if isinstance(mask, str):
-                m = mx.array(pos <= p)[None]
-            elif isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
-                m = mask[..., i : i + 1, :]
-            else:
-                m = mask
             outs.append(mx.fast.scaled_dot_product_attention(
-                queries[:, :, i : i + 1], K, V, scale=scale, mask=m, sinks=sinks))
+                queries[:, :, i : i + 1], K, V, scale=scale, mask=row_mask(mask, L, i, pos, p),
+                sinks=sinks))
         return mx.concatenate(outs, axis=2)
 
     def make_mask(self, N, return_array=False, window_size=None):

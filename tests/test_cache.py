@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import KVCache
 
-from lm_helpers import DequantizedReferenceCache, build_model
+from lm_helpers import DequantizedReferenceCache, build_model, row_mask
 from turboquant_mlx.attention import dense_attention, merge_attention
 from turboquant_mlx.cache import (
     PRESETS,
@@ -147,13 +147,8 @@ def _expected_steps(cache, arrived, q, scale, mask, sinks=None, calibrated_at=No
             exact = pos < S
         sel = mx.array(exact)[None, None, :, None]
         Ki, Vi = mx.where(sel, Ka, K), mx.where(sel, Va, V)
-        if isinstance(mask, str):
-            m = mx.array(pos <= p)[None]
-        elif isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L:
-            m = mask[..., i : i + 1, :]
-        else:
-            m = mask
-        outs.append(_expected(q[:, :, i : i + 1], Ki, Vi, scale, m, sinks))
+        outs.append(_expected(q[:, :, i : i + 1], Ki, Vi, scale, row_mask(mask, L, i, pos, p),
+                              sinks))
     return mx.concatenate(outs, axis=2)
 
 
