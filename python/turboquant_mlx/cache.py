@@ -1478,9 +1478,7 @@ class TurboQuantKVCache(_BaseCache):
         """``(out, lse)`` of fewer compressed tokens than queries (the op needs
         ``kv_len >= L``): a few tokens only, attended to dequantized."""
         L = queries.shape[2]
-        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits, 0, c)
-        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
-                           0, c)
+        k, v = self._decoded(0, c)
         out, lse = dense_attention(
             self._compressed_queries(queries), k, v, scale,
             self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L),
@@ -1534,10 +1532,7 @@ class TurboQuantKVCache(_BaseCache):
                 causal, op_mask = False, _block_mask(mask, visible, [(S, c)], qpos)
             if c < L:
                 # (The op needs at least as many tokens as queries.)
-                kd = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids,
-                                    self.key_bits, 0, c)
-                vd = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
-                                    self.value_bits, 0, c)
+                kd, vd = self._decoded(0, c)
                 out, lse = dense_attention(self._compressed_queries(queries), kd, vd, scale,
                                            op_mask)
                 parts.append(self._compressed_result(out, lse, queries, scale))
@@ -1858,10 +1853,7 @@ class TurboQuantKVCache(_BaseCache):
             after_k, after_v = code_space([g for g in segments if g[2] >= S])
             nb = 0 if before_k is None else before_k.shape[2]
             na = 0 if after_k is None else after_k.shape[2]
-            k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
-                               0, n_comp, dtype=dtype, before=nb, after=na)
-            v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
-                               self.value_bits, 0, n_comp, dtype=dtype, before=nb, after=na)
+            k, v = self._decoded(0, n_comp, dtype=dtype, before=nb, after=na)
             if nb:
                 k[:, :, :nb] = before_k
                 v[:, :, :nb] = before_v
@@ -1877,13 +1869,20 @@ class TurboQuantKVCache(_BaseCache):
             centered = False
         return q, k, v, centered
 
+    def _decoded(self, start, length, **kw):
+        """Keys and values of compressed tokens ``[start, start+length)`` as stored
+        (rotated, centered, scaled): :func:`ops.dequantize` of both buffers, with its
+        keyword arguments (``dtype``, ``before``, ``after``)."""
+        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
+                           start, length, **kw)
+        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
+                           start, length, **kw)
+        return k, v
+
     def _dequantized(self, start, length, dtype):
         """Keys and values of compressed tokens ``[start, start+length)`` in the model's
         space (unrotated, unscaled, mean added back)."""
-        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
-                           start, length)
-        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
-                           start, length)
+        k, v = self._decoded(start, length)
         k = self._rotation.inverse(k)
         if self.rotate_values:
             v = self._rotation.inverse(v)
