@@ -155,7 +155,7 @@ def test_quantize_append_kv_refuses_bad_arguments_without_writing(change, needle
                 v_centroids=mx.array(centroids_np(D, VALUE_BITS)), offset=0,
                 key_bits=KEY_BITS, value_bits=VALUE_BITS)
     refused(lambda: ops.quantize_append_kv(**{**args, **change}), "quantize_append_kv",
-            *needles, error=ValueError)
+            *needles)
     assert_unchanged(buffers, before)
 
 
@@ -181,7 +181,7 @@ def test_fallback_refusals_name_the_op(op, monkeypatch):
             return ops.ring_append_kv(*buffers, *rings, mx.zeros((B, H, 1, D)),
                                       mx.zeros((B, H, 1, D)), kc, vc, 0, 0, KEY_BITS,
                                       VALUE_BITS)
-    refused(call, op, "non-finite", error=ValueError)
+    refused(call, op, "non-finite")
     assert_unchanged(buffers, before)
 
 
@@ -211,7 +211,7 @@ def test_write_tokens_kv_refuses_tokens_that_overlap_their_slots():
     ]
     for keys, values, needle in cases:
         refused(lambda: ops.write_tokens_kv(kb, vb, keys, values, 2), "write_tokens_kv",
-                needle, error=ValueError)
+                needle)
         assert_unchanged([kb, vb], before)
     # Views of slots the write leaves alone are fine, and so is a copy.
     want_k, want_v = (np.array(a.astype(mx.float32)) for a in (kb, vb))
@@ -229,7 +229,7 @@ def test_write_tokens_refuses_tokens_that_overlap_their_slots():
     buffer = dense_buffers(rng, mx.float32)[0]
     before = bits_of([buffer])
     refused(lambda: _ext.write_tokens(buffer, buffer[:, :, 0:3], 1), "write_tokens",
-            "tokens share memory with the slots [1, 4) of the buffer", error=ValueError)
+            "tokens share memory with the slots [1, 4) of the buffer")
     assert_unchanged([buffer], before)
 
 
@@ -241,8 +241,7 @@ def test_write_tokens_kv_refuses_bad_arguments_without_writing():
     for args, needle in [((x, x.astype(mx.float32), 0), "the value buffer float16"),
                          ((x, mx.zeros((B, H, 2, 32), mx.float16), 0), "value buffer"),
                          ((x, x, CAP - 1), "capacity overflow")]:
-        refused(lambda: ops.write_tokens_kv(kb, vb, *args), "write_tokens_kv", needle,
-                error=ValueError)
+        refused(lambda: ops.write_tokens_kv(kb, vb, *args), "write_tokens_kv", needle)
         assert_unchanged([kb, vb], before)
 
 
@@ -310,7 +309,7 @@ def test_ring_append_kv_refuses_new_tokens_that_overlap_their_slots():
     ]:
         refused(lambda: ops.ring_append_kv(*buffers, *rings, keys, values, *cents, 0, 1,
                                            KEY_BITS, VALUE_BITS),
-                "ring_append_kv", needle, error=ValueError)
+                "ring_append_kv", needle)
         assert_unchanged(everything, before)
     # A slot the exchange does not write may be a new token.
     out = ops.ring_append_kv(*buffers, *rings, rings[0][:, :, 3:4], new[1], *cents, 0, 1,
@@ -332,5 +331,5 @@ def test_ring_append_kv_refuses_bad_arguments_without_writing():
                            ((new[0], mx.zeros((B, H, 2, D))), "same tokens")]:
         refused(lambda: ops.ring_append_kv(*buffers, *rings, *change, *cents, 0, 1, KEY_BITS,
                                            VALUE_BITS),
-                "ring_append_kv", needle, error=ValueError)
+                "ring_append_kv", needle)
         assert_unchanged(everything, before)
