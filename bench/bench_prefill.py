@@ -145,6 +145,8 @@ def main(argv=None):
         label = context_label(ctx)
         prompt = _long.random_tokens(ctx, vocab, a.seed)
         mx.eval(prompt)
+        if a.device == "gpu":
+            _long.warm_attention_shapes(a.model, a, ctx, dtype)
         base = None if "fp16" in names else _baseline_from(earlier, a, ctx)
         if base is not None:
             log(f"{label}: fp16 baseline from {a.jsonl}: {base['prompt_tps']:.1f} tok/s, peak "
