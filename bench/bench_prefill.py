@@ -11,8 +11,10 @@ prompt are described in bench/_long.py (``--model llama8b``: the 8B-shaped 4-bit
 llama of bench/bench_decode.py; ``--model qwen35moe``: the Qwen3.5-35B-A3B-shaped
 hybrid MoE). Each cache is first warmed up once on a short prompt
 (``--warmup-tokens``, default two blocks and a token: MLX's CUDA backend compiles
-kernels on first use); a cache is built fresh for every measurement and everything is
-freed between caches.
+kernels on first use), and on a GPU MLX's fused attention is first run once at every
+shape the prompt meets (it builds a cuDNN graph per new shape: otherwise the first
+cache timed pays for graphs the others reuse); a cache is built fresh for every
+measurement and everything is freed between caches.
 
 Columns:
   prompt tok/s   prompt tokens but the last, over the time of their blocks
