@@ -405,7 +405,7 @@ def run_prompt(model, name, prompt, a, reserve, label, timer=None):
     ``CacheTimer``: the time of the cache's own work during the blocks)."""
     free()
     mx.synchronize()
-    mx.reset_peak_memory()
+    bench_decode.reset_peak_memory()
     cache = make_cache(model, name, reserve)
     progress = Progress(label)
     t0 = time.perf_counter()

@@ -247,14 +247,27 @@ def time_decode(model, caches, a):
 
     run(a.warmup)
     mx.synchronize()
-    mx.reset_peak_memory()
+    reset_peak_memory()
     copies = _ext.buffer_copies()
     times, logits = run(a.steps)
     mx.synchronize()
     copies = _ext.buffer_copies() - copies
-    peak = mx.get_peak_memory()
+    peak = peak_memory()
     finite = bool(mx.isfinite(logits.astype(mx.float32)).all().item())
     return times, peak, finite, copies / a.steps
+
+
+def reset_peak_memory():
+    """Restarts the peak of :func:`peak_memory`."""
+    mx.reset_peak_memory()
+    _ext.gpu_pool_memory(reset_peak=True)
+
+
+def peak_memory():
+    """MLX's peak memory plus the peak of what the extension's GPU backend allocates
+    outside MLX's allocator (the CUDA backend's outputs and temporaries), in bytes: a
+    bound on the device's peak (the two peaks may come at different times)."""
+    return mx.get_peak_memory() + _ext.gpu_pool_memory()[1]
 
 
 def main(argv=None):

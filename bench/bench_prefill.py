@@ -24,8 +24,9 @@ Columns:
   weights GiB    the model's parameters
   KV GiB         what the cache holds after the prompt (allocated buffers, all layers;
                  on qwen35moe also the linear-attention states)
-  peak GiB       MLX's peak memory from just before the cache's prompt to its first
-                 token (mx.reset_peak_memory / mx.get_peak_memory)
+  peak GiB       peak memory from just before the cache's prompt to its first token:
+                 MLX's peak plus the peak of what the extension's CUDA backend
+                 allocates outside MLX's allocator (bench_decode.peak_memory)
   temp GiB       peak - weights - KV: the prompt's temporaries
   goal margin    for a compressed cache, (fp16 peak - 0.7 * (fp16 KV - KV)) - peak in
                  GiB: the goal is that a compressed cache's peak is below the fp16
@@ -165,7 +166,7 @@ def main(argv=None):
                 cache, y, logprobs, m = _long.run_prompt(
                     model, name, prompt, a, ctx + 16, f"{label} {name}", timer)
                 mx.synchronize()
-                peak = mx.get_peak_memory()
+                peak = _long.bench_decode.peak_memory()
                 ok = _long.finite(logprobs)
             except Exception as e:  # report it, keep measuring the other caches
                 log(f"{label} {name}: {type(e).__name__}: {e}")

@@ -150,7 +150,7 @@ def run_filled(model, name, a, reserve, fill):
     to decode from, and the measurements (``kv_bytes``, ``fill_s``)."""
     _long.free()
     mx.synchronize()
-    mx.reset_peak_memory()
+    _long.bench_decode.reset_peak_memory()
     cache = _long.make_cache(model, name, reserve)
     t0 = time.perf_counter()
     _long.fill_cache(model, cache, a.context, *fill)
@@ -241,7 +241,7 @@ def main(argv=None):
                 log(f"{model_name} {name}: decode {t_dec:.2f} s, verify")
                 t_ver, last = verify(model, cache, y, a.verify_steps, a.verify_tokens, drafts)
                 mx.synchronize()
-                peak = mx.get_peak_memory()
+                peak = _long.bench_decode.peak_memory()
                 ok = ok and (last is None or _long.finite(last))
             except Exception as e:  # report it, keep measuring the other rows
                 log(f"{model_name} {name}: {type(e).__name__}: {e}")

@@ -38,6 +38,10 @@ NB_MODULE(_ext, m) {
         "True when this build carries GPU kernels.");
   m.def("gpu_backend", &tq::gpu::backend_name,
         "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
+  m.def("gpu_pool_memory", &tq::gpu::pool_memory, "reset_peak"_a = false,
+        "[in use, peak in use, held free] bytes of device memory the GPU backend allocates "
+        "outside MLX's allocator (CUDA: outputs and temporaries of the ops), which "
+        "mx.get_peak_memory does not see; reset_peak restarts the peak. Zeros elsewhere.");
 
   m.def(
       "quantize_append",

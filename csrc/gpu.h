@@ -16,6 +16,12 @@ bool available();
 /// Name of the GPU backend compiled in: "cuda", "metal" or "none".
 const char* backend_name();
 
+/// Device memory this backend allocates outside MLX's allocator (so outside
+/// mx.get_active_memory / mx.get_peak_memory), in bytes: {in use, peak in use since
+/// the last reset, held free for reuse}. With `reset_peak`, the peak restarts from what
+/// is in use. All zero where the backend allocates through MLX (Metal, none).
+std::vector<size_t> pool_memory(bool reset_peak);
+
 /// One part (tensor) of a QuantizeAppend node, one kernel launch: writes the buffers
 /// the node names (codes, scales or both) into `out`, its inputs from `in`.
 void quantize_append_part(

@@ -159,9 +159,13 @@ int kernel_binary_arch(const void* symbol) {
 }
 
 /// Device-memory pool for outputs and temporaries. Buffers are allocated stream-ordered
-/// on MLX's stream (as MLX's own allocator does) and recycled by size, never returned
-/// while the process runs. A buffer that MLX moved to managed memory (a host read of the
-/// array) is freed instead of recycled.
+/// on MLX's stream (as MLX's own allocator does) and recycled by size. At most
+/// kMaxHeldBytes of freed buffers are kept for reuse: the rest go back (stream-ordered)
+/// at once. Without that bound, buffers whose size never comes again (a long prompt's
+/// per-block decoded keys and values grow by a block each time; a cache buffer left
+/// behind when the cache grows) piled up until the device ran out of memory. A buffer
+/// that MLX moved to managed memory (a host read of the array) is freed instead of
+/// recycled. The pool counts what it hands out (MLX's memory counters do not see it).
 class DevicePool {
  public:
   static DevicePool& get() {
@@ -178,18 +182,37 @@ class DevicePool {
       if (it != free_.end()) {
         buf = it->second;
         free_.erase(it);
+        held_ -= size;
       }
     }
     if (buf == nullptr) {
       void* data = nullptr;
       check(cudaMallocAsync(&data, size, stream), "cudaMallocAsync");
       buf = new mx::cu::CudaBuffer{data, size, device};
+      std::lock_guard<std::mutex> lock(mu_);
+      streams_[data] = stream;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      active_ += size;
+      peak_ = std::max(peak_, active_);
     }
     return mx::allocator::Data(
         mx::allocator::Buffer(buf), [this](mx::allocator::Buffer b) { release(b); });
   }
 
+  std::vector<size_t> memory(bool reset_peak) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<size_t> out{active_, peak_, held_};
+    if (reset_peak) {
+      peak_ = active_;
+    }
+    return out;
+  }
+
  private:
+  static constexpr size_t kMaxHeldBytes = size_t(1) << 30;
+
   static size_t round_size(size_t n) {
     if (n <= 256) {
       return 256;
@@ -206,18 +229,39 @@ class DevicePool {
     if (buf == nullptr) {
       return;
     }
+    std::unique_lock<std::mutex> lock(mu_);
+    active_ -= std::min(active_, buf->size);
     if (buf->device < 0) {
       // MLX moved it to managed memory (a host read); its device memory is gone.
+      streams_.erase(buf->data);
+      lock.unlock();
       cudaFree(buf->data);
       delete buf;
       return;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace(std::make_pair(buf->device, buf->size), buf);
+    if (held_ + buf->size <= kMaxHeldBytes) {
+      held_ += buf->size;
+      free_.emplace(std::make_pair(buf->device, buf->size), buf);
+      return;
+    }
+    // Not kept: back to the device's memory pool, ordered after the work that was
+    // queued on the buffer's stream (MLX releases a buffer once no queued kernel needs it).
+    cudaStream_t stream = streams_[buf->data];
+    streams_.erase(buf->data);
+    lock.unlock();
+    if (cudaFreeAsync(buf->data, stream) != cudaSuccess) {
+      cudaGetLastError(); // (a deleter must not throw)
+      cudaFree(buf->data);
+    }
+    delete buf;
   }
 
   std::mutex mu_;
   std::multimap<std::pair<int, size_t>, mx::cu::CudaBuffer*> free_;
+  std::unordered_map<void*, cudaStream_t> streams_;
+  size_t active_ = 0;
+  size_t peak_ = 0;
+  size_t held_ = 0;
 };
 
 /// Gives `a` fresh device memory of a.nbytes().
@@ -463,6 +507,10 @@ bool available() {
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
   }();
   return any;
+}
+
+std::vector<size_t> pool_memory(bool reset_peak) {
+  return DevicePool::get().memory(reset_peak);
 }
 
 const char* backend_name() {
