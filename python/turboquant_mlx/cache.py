@@ -97,6 +97,7 @@ from . import codebook, ops
 from .ops import MAX_TAIL_TOKENS
 from .attention import (
     dense_attention, ensure_hook, install_hook, merge_attention, merge_two, module_uses_hook,
+    register_cache_class,
 )
 from .rotation import Rotation, rotate_forward, rotate_inverse
 
@@ -2426,6 +2427,8 @@ class TurboQuantKVCache(_BaseCache):
 # mlx-lm's load_prompt_cache (and CacheList) rebuild caches by class name from the
 # globals of mlx_lm.models.cache.
 setattr(_mlx_cache, "TurboQuantKVCache", TurboQuantKVCache)
+# The attention hook sends its attention to TurboQuantKVCache.attention.
+register_cache_class(TurboQuantKVCache)
 
 
 # ---------------------------------------------------------------------------
