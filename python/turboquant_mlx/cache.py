@@ -94,6 +94,10 @@ from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import codebook, ops
+from ._common import (
+    _PREFIX, _ROPE_PAIRINGS, _cat, _check_bits, _check_int, _empty, _is_empty,
+    _pad_last, padded_head_dim,
+)
 from .ops import MAX_TAIL_TOKENS
 from .attention import (
     dense_attention, ensure_hook, install_hook, merge_attention, merge_two, module_uses_hook,
@@ -112,8 +116,6 @@ __all__ = [
     "cache_nbytes",
 ]
 
-_PREFIX = "[turboquant_mlx.cache]"
-_SUPPORTED_BITS = (2, 3, 4)
 _FORMAT_VERSION = 2
 # Format 3 is format 2 plus the model's head dim, written only by a cache whose head
 # dim is padded (see TurboQuantKVCache): its arrays hold the padded vectors.
@@ -156,46 +158,6 @@ _ARRAY_FIELDS = (
 )
 _WINDOW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _MAX_CONFIG_VALUE = 2**62  # configuration integers (counts, seed) of a state
-_ROPE_PAIRINGS = ("none", "half", "interleaved")
-
-
-_HEAD_DIM_ALIGN = 32  # the kernels take head dims that are multiples of this
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim a cache stores for a model head dim: ``head_dim`` itself where the
-    kernels take it (a multiple of 32 in [32, 256]), else the next multiple of 32 for
-    an even ``head_dim`` below 256 (the vectors are zero-padded; see
-    :class:`TurboQuantKVCache`). Raises ValueError for other head dims."""
-    d = int(head_dim)
-    if d <= 0 or d % 2 or d > 256:
-        raise ValueError(
-            f"head dim {head_dim} is not supported (even head dims up to 256 are: "
-            f"multiples of {_HEAD_DIM_ALIGN} as they are, others zero-padded to the next one)"
-        )
-    return -(-d // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
-
-
-def _pad_last(x: mx.array, d: int) -> mx.array:
-    """``x`` zero-padded along its last axis to ``d``."""
-    extra = d - x.shape[-1]
-    if extra == 0:
-        return x
-    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
-def _check_int(name, value, minimum=0):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{_PREFIX} {name} must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
-
-
-def _check_bits(name, value):
-    if isinstance(value, bool) or value not in _SUPPORTED_BITS:
-        raise ValueError(f"{_PREFIX} {name} must be one of 2, 3, 4, got {value!r}.")
-    return int(value)
-
-
 def _half_queries_on_gpu(dtype) -> bool:
     """Whether rotated queries of ``dtype`` go to the op in that dtype (see
     ``TurboQuantKVCache._compressed_queries``)."""
@@ -326,13 +288,6 @@ _fused_decode_inputs = mx.compile(_decode_inputs)
 _fused_tail_decode_output = mx.compile(_tail_decode_output)
 
 
-def _cat(a: Optional[mx.array], b: mx.array) -> mx.array:
-    """Concatenates along the token axis; the result never views a larger buffer."""
-    if a is None or a.shape[2] == 0:
-        return mx.contiguous(b)
-    return mx.concatenate([a, b], axis=2)
-
-
 def _mask_rows(mask, a: int, b: int, L: int):
     """Rows ``[a, b)`` of an attention mask for ``L`` queries (masks without a row
     per query apply to every row as they are)."""
@@ -357,14 +312,6 @@ def _block_mask(mask, visible: np.ndarray, spans, qpos: np.ndarray):
     if sel.dtype == mx.bool_:
         return mx.logical_and(sel, vis)
     return mx.where(vis, sel, mx.array(float("-inf"), dtype=sel.dtype))
-
-
-def _empty(dtype) -> mx.array:
-    return mx.zeros((0,), dtype=dtype)
-
-
-def _is_empty(a) -> bool:
-    return a is None or a.size == 0
 
 
 class TurboQuantKVCache(_BaseCache):
