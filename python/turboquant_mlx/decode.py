@@ -25,6 +25,7 @@ from .codespace import (
     _fused_tail_decode_output, _half_queries_on_gpu, _queries_to_codes,
 )
 from .ops import MAX_TAIL_TOKENS
+from .window import CodeTail, Ring, ring_order, ring_roll, ring_slot
 
 
 def _mask_rows(mask, a: int, b: int, L: int):
@@ -353,7 +354,7 @@ class DecodeMixin:
             out = self._model_space_op(
                 queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail,
                 final=True)[0]
-            if self._ring is not None and self._ring[0] is tail[0]:
+            if self._ring is not None and self._ring.keys is tail[0]:
                 self._ring_readers.append(out)
             return out
         parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
@@ -390,10 +391,8 @@ class DecodeMixin:
         ks = [k for k, _, _, _ in segments]
         vs = [v for _, v, _, _ in segments]
         n_win = sum(k.shape[2] for k in ks) - ns
-        roll = (wpos - self.fp16_sink_tokens) % R if R and n_win == R else 0
-        if roll:
-            ks = ks[:-1] + [ks[-1][:, :, R - roll :], ks[-1][:, :, : R - roll]]
-            vs = vs[:-1] + [vs[-1][:, :, R - roll :], vs[-1][:, :, : R - roll]]
+        roll = ring_roll(wpos, self.fp16_sink_tokens, R, n_win)
+        ks, vs = ring_order(ks, R, roll), ring_order(vs, R, roll)
         starts_ring = L == 1 and R and n_win == R
         if starts_ring and len(ks) == 1:
             # The ring is written in place: a buffer of its own, not the window's
@@ -403,7 +402,7 @@ class DecodeMixin:
         tail_k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         tail_v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         if starts_ring:
-            self._ring = (tail_k, tail_v, self.offset)
+            self._ring = Ring(tail_k, tail_v, self.offset)
             self._ring_readers = []
         return tail_k, tail_v
 
@@ -412,16 +411,16 @@ class DecodeMixin:
         window (a model-space ring step); returns the ring's keys and values."""
         ring, new = self._ring, self._new_token
         P = self.offset - 1
-        tail_k, tail_v = ring[0], ring[1]
-        if ring[2] == P:  # (at P + 1 the leaving token's append wrote it: _ring_append)
+        tail_k, tail_v = ring.keys, ring.values
+        if ring.position == P:  # (at P + 1 the leaving token's append wrote it: _ring_append)
             self._ring = ring = None  # only the ring may hold it, or MLX copies it
-            slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
+            slot = ring_slot(ns, P, self.fp16_sink_tokens, self.fp16_recent_tokens)
             # The ring's buffers are this cache's own (see _model_space_tail); the
             # slot's last reader was the previous step's attention.
             after, self._ring_readers = self._ring_readers, []
             tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
                                                  after=after)
-            self._ring = (tail_k, tail_v, P + 1)
+            self._ring = Ring(tail_k, tail_v, P + 1)
         if len(self._win_pending) == self.fp16_recent_tokens:
             self._sync_window()  # (from the ring: see _sync_window)
         return tail_k, tail_v
@@ -444,21 +443,19 @@ class DecodeMixin:
         R = self.fp16_recent_tokens
         # (A single-token step whose ring holds the sinks and full window never gets
         # here: _attend_decode takes it to _ring_step first.)
-        if dense_k and ct is not None and ct[2] == ns and ct[0].shape[2] - ns == n_win and (
-                n_win == 0 or (ct[3] == wpos and ct[4] == 0)):
+        if dense_k and ct is not None and ct.sinks == ns and ct.keys.shape[2] - ns == n_win and (
+                n_win == 0 or (ct.window_start == wpos and ct.roll == 0)):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
-            tail_k, tail_v = ct[0], ct[1]
+            tail_k, tail_v = ct.keys, ct.values
             q_codes = self._compressed_queries(queries, fused=True)
         else:
             # A full window goes in in ring order (position p at slot
             # ns + (p - sinks) % R), whatever the step: the tail is then the same
             # array, and its sums are added in the same order, whether a ring step
             # or this one produced it (e.g. after a trim).
-            roll = (wpos - self.fp16_sink_tokens) % R if R and n_win == R else 0
-            if roll:
-                dense_k = dense_k[:-1] + [dense_k[-1][:, :, R - roll :], dense_k[-1][:, :, : R - roll]]
-                dense_v = dense_v[:-1] + [dense_v[-1][:, :, R - roll :], dense_v[-1][:, :, : R - roll]]
+            roll = ring_roll(wpos, self.fp16_sink_tokens, R, n_win)
+            dense_k, dense_v = ring_order(dense_k, R, roll), ring_order(dense_v, R, roll)
             # Concatenated before the compiled transform, which then fuses the same way
             # as for a ring step's single token: the same token gets the same bits.
             if len(dense_k) > 1:
@@ -470,13 +467,13 @@ class DecodeMixin:
                 dense_k, dense_v,
             )
             if tail_k is not None:
-                self._code_tail = (tail_k, tail_v, ns, wpos, roll)
+                self._code_tail = CodeTail(tail_k, tail_v, ns, wpos, roll)
                 if R and n_win == R:
                     # Start a ring from this tail; it is in sync while the cache holds
                     # `offset` tokens.
                     # (Handles of their own: a ring step's in-place write must not
                     # change what _code_tail holds.)
-                    self._ring = (tail_k[...], tail_v[...], self.offset)
+                    self._ring = Ring(tail_k[...], tail_v[...], self.offset)
                     self._ring_tokens.clear()
         return self._tail_attention(queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v)
 
@@ -486,7 +483,7 @@ class DecodeMixin:
         ring, new = self._ring, self._new_token
         P = self.offset - 1
         # (a ring at P + 1 holds the new token already: see _ring_append)
-        if (ring is None or new is None or new[2] != P or ring[2] not in (P, P + 1)
+        if (ring is None or new is None or new[2] != P or ring.position not in (P, P + 1)
                 or self._fresh is not None):
             return None
         ns, c, wpos = self._layout()
@@ -503,17 +500,17 @@ class DecodeMixin:
         signs, matrix, rot_scale = self._rotation.params()
         ring, new = self._ring, self._new_token
         P = self.offset - 1
-        tail_k, tail_v = ring[0], ring[1]
+        tail_k, tail_v = ring.keys, ring.values
         self._ring = ring = None  # only the ring may hold it, or MLX copies it
         q_codes, k_new, v_new = _fused_decode_inputs(
             queries, self._key_scale, signs, matrix, rot_scale,
             _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
             [new[0]], [new[1]],
         )
-        slot = ns + (P - self.fp16_sink_tokens) % self.fp16_recent_tokens
+        slot = ring_slot(ns, P, self.fp16_sink_tokens, self.fp16_recent_tokens)
         tail_k[:, :, slot : slot + 1] = k_new
         tail_v[:, :, slot : slot + 1] = v_new
-        self._ring = (tail_k, tail_v, P + 1)
+        self._ring = Ring(tail_k, tail_v, P + 1)
         self._ring_tokens.append((P, k_new, v_new))
         return self._tail_attention(queries, q_codes, scale, False, None, c, tail_k, tail_v)
 

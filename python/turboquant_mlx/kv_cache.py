@@ -221,9 +221,9 @@ class TurboQuantKVCache(
         # the attention call that follows it (see update_and_fetch).
         self._fresh = None
         self._drop_code_space()
-        # The window's buffer (model space): (keys, values, first used slot, the view
-        # of it that _win_k holds), or None. Decode steps write their token into it in
-        # place instead of concatenating the window (see _window_append).
+        # The window's buffer (model space), a window.WindowBuffer, or None. Decode
+        # steps write their token into it in place instead of concatenating the window
+        # (see _window_append).
         self._win_buf = None
         # The last single-token update as it arrived: (keys, values, position).
         self._new_token = None

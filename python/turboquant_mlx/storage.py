@@ -170,17 +170,17 @@ class StorageMixin:
         compressed segment, the fp16 sinks and window (its whole buffer), the levers,
         and the decode steps' copies of the sinks and window."""
         window = (self._win_k, self._win_v)
-        if self._win_buf is not None and self._win_buf[3] is self._win_k:
-            window = self._win_buf[:2]
+        if self._win_buf is not None and self._win_buf.view is self._win_k:
+            window = (self._win_buf.keys, self._win_buf.values)
         arrays = (
             self._k_codes, self._k_scales, self._v_codes, self._v_scales,
             self._sink_k, self._sink_v,
         ) + window + self._lever_arrays()
         code_space = []
         if self._code_tail is not None:
-            code_space += self._code_tail[:2]
+            code_space += [self._code_tail.keys, self._code_tail.values]
         if self._ring is not None:
-            code_space += self._ring[:2]
+            code_space += [self._ring.keys, self._ring.values]
         for _, k, v in self._ring_tokens:
             code_space += [k, v]
         if self._calib_undo is not None:  # (the tokens held before the calibration)

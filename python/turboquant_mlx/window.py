@@ -18,12 +18,65 @@ compressed segment, and the buffers that make a decode step's window update chea
 """
 
 import collections
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
 
 from . import ops
 from ._common import _cat, _is_empty
+
+
+class Ring(NamedTuple):
+    """The sinks and the full window as the attention op's tail, in ring order (see
+    :func:`ring_slot`); in sync while the cache holds ``position`` tokens. Model space
+    where the ops apply the rotation, else code space."""
+
+    keys: mx.array  # (B, H_kv, ns + R, D)
+    values: mx.array
+    position: int
+
+
+class WindowBuffer(NamedTuple):
+    """The buffer the window is a view of, with free slots after it (see
+    ``WindowMixin._window_append``)."""
+
+    keys: mx.array  # (B, H_kv, slots, D)
+    values: mx.array
+    lo: int  # first used slot
+    view: mx.array  # the view of ``keys`` that was the window: the buffer serves while it is
+
+
+class CodeTail(NamedTuple):
+    """A decode step's sinks and window in code space, as it gave them to the op."""
+
+    keys: mx.array  # (B, H_kv, sinks + window tokens, D)
+    values: mx.array
+    sinks: int  # sink tokens, first
+    window_start: int  # position of the window's first token
+    roll: int  # the window in ring order (:func:`ring_roll`), or 0: in position order
+
+
+def ring_slot(ns: int, position: int, sinks: int, R: int) -> int:
+    """Slot of window position ``position`` in a ring of ``ns`` sink slots and an
+    ``R``-token window (``sinks``: the cache's ``fp16_sink_tokens``). A token that
+    enters the window takes the slot of the one that leaves it (``position - R``)."""
+    return ns + (position - sinks) % R
+
+
+def ring_roll(window_start: int, sinks: int, R: int, n_win: int) -> int:
+    """How far :func:`ring_order` rotates a window of ``n_win`` tokens from position
+    ``window_start``: only a full window (``n_win == R``) goes in in ring order."""
+    return (window_start - sinks) % R if R and n_win == R else 0
+
+
+def ring_order(parts: List[mx.array], R: int, roll: int) -> List[mx.array]:
+    """``parts`` (sinks first, the window last, in position order along axis 2) with
+    the window rotated by ``roll`` (:func:`ring_roll`), so that a full window's
+    position ``p`` is at :func:`ring_slot` of ``p``. Whatever step builds a tail from
+    the window, the tail is then the same array as the ring, summed in the same order."""
+    if not roll:
+        return parts
+    return parts[:-1] + [parts[-1][:, :, R - roll :], parts[-1][:, :, : R - roll]]
 
 
 class WindowMixin:
@@ -34,15 +87,14 @@ class WindowMixin:
     def _drop_code_space(self):
         """Forgets the decode steps' copies of the sinks and window (after anything that
         changes which tokens the window holds or how they are transformed)."""
-        # The tail of the last decode step that built one: (keys, values, sink count,
-        # window start), in code space (centered, scaled, rotated). A window token
+        # The tail of the last decode step that built one (a CodeTail), in code space
+        # (centered, scaled, rotated). A window token
         # leaving for the compressed segment is quantized from it instead of being
         # transformed again. (Ops on code-space queries only, see _op_signs.)
         self._code_tail = None
-        # Single-token decode steps keep the tail as a ring: (keys, values, position),
-        # sinks in the first ns slots, window position p in slot
-        # ns + (p - fp16_sink_tokens) % fp16_recent_tokens, in sync while the cache
-        # holds `position` tokens. Each step overwrites the slot of the token that leaves
+        # Single-token decode steps keep the tail as a Ring: sinks in the first ns
+        # slots, window position p in slot ring_slot(ns, p, ...), in sync while the
+        # cache holds `position` tokens. Each step overwrites the slot of the token that leaves
         # the window with the new one, so the tail is never concatenated again. In the
         # ops' tail space: the model's with _op_signs, else code space.
         self._ring = None
@@ -148,18 +200,17 @@ class WindowMixin:
         position ``P``: the step's attention reads it as it is. False (nothing done)
         where that does not apply."""
         ring, R = self._ring, self.fp16_recent_tokens
-        if (ring is None or ring[2] != P or end - first != 1 or first != P - R
+        if (ring is None or ring.position != P or end - first != 1 or first != P - R
                 or not ops.has_ring_append()):
             return False
-        ns = ring[0].shape[2] - R
-        slot = ns + (P - self.fp16_sink_tokens) % R
+        slot = ring_slot(ring.keys.shape[2] - R, P, self.fp16_sink_tokens, R)
         self._ring = None  # only the ring may hold its buffers (written in place)
         self._ensure_capacity(self._n_comp + 1)
         signs = self._op_signs()
         after, self._ring_readers = self._ring_readers, []
         (self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring_k,
          ring_v) = ops.ring_append_kv(
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring[0], ring[1],
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring.keys, ring.values,
             rk, rv, self._k_centroids, self._v_centroids, self._n_comp, slot,
             self.key_bits, self.value_bits, key_rotation_signs=signs,
             value_rotation_signs=signs if self.rotate_values else None,
@@ -167,7 +218,7 @@ class WindowMixin:
         )
         self._n_comp += 1
         self._buffers_private = True
-        self._ring = (ring_k, ring_v, P + 1)
+        self._ring = Ring(ring_k, ring_v, P + 1)
         return True
 
     def _sync_window(self):
@@ -177,15 +228,16 @@ class WindowMixin:
         R = self.fp16_recent_tokens
         ring = self._ring
         held = self._win_k_stored.shape[2]
-        if (len(pending) == R and ring is not None and ring[2] == self.offset
+        if (len(pending) == R and ring is not None and ring.position == self.offset
                 and drop <= held and self._op_signs() is not None):
             # The pending tokens are the window's last R positions, which the ring (in
             # sync) holds too: the window is rebuilt from the kept older part and the
             # ring's two runs, three copies instead of one per pending token.
-            ns = ring[0].shape[2] - R
-            r0 = ns + (self.offset - self.fp16_sink_tokens) % R  # slot of offset - R
-            parts_k = [self._win_k_stored[:, :, drop:], ring[0][:, :, r0:], ring[0][:, :, ns:r0]]
-            parts_v = [self._win_v_stored[:, :, drop:], ring[1][:, :, r0:], ring[1][:, :, ns:r0]]
+            ns = ring.keys.shape[2] - R
+            r0 = ring_slot(ns, self.offset - R, self.fp16_sink_tokens, R)  # the oldest token
+            ring_k, ring_v = ring.keys, ring.values
+            parts_k = [self._win_k_stored[:, :, drop:], ring_k[:, :, r0:], ring_k[:, :, ns:r0]]
+            parts_v = [self._win_v_stored[:, :, drop:], ring_v[:, :, r0:], ring_v[:, :, ns:r0]]
             wk = mx.concatenate([a for a in parts_k if a.shape[2]], axis=2)
             wv = mx.concatenate([a for a in parts_v if a.shape[2]], axis=2)
             # They read the ring: the next in-place write follows them (which also
@@ -238,8 +290,9 @@ class WindowMixin:
         held = self._win_k.shape[2]
         n = rk.shape[2]
         buf = self._win_buf
-        if buf is not None and buf[3] is self._win_k and buf[2] + held + n <= buf[0].shape[2]:
-            bk, bv, lo = buf[0], buf[1], buf[2]
+        if (buf is not None and buf.view is self._win_k
+                and buf.lo + held + n <= buf.keys.shape[2]):
+            bk, bv, lo = buf.keys, buf.values, buf.lo
             # Only the buffer may refer to it when the update runs, or MLX copies it.
             buf = self._win_buf = None
             self._win_k = self._win_v = None
@@ -258,7 +311,7 @@ class WindowMixin:
             mx.async_eval(bk, bv)
         size = held + n - drop
         self._win_k, self._win_v = bk[:, :, lo : lo + size], bv[:, :, lo : lo + size]
-        self._win_buf = (bk, bv, lo, self._win_k)
+        self._win_buf = WindowBuffer(bk, bv, lo, self._win_k)
 
     def _recent_token(self, a: int, b: int):
         """Model-space ``(key, value)`` of position ``a`` when ``b == a + 1`` and it
