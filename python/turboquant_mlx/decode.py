@@ -7,10 +7,15 @@ compressed tokens, fp16 window) each query sees, and how they go to the attentio
 A decode step's usual plan is one op call over the compressed tokens with the fp16
 segments as the op's tail; where the tail is longer than the op takes, or masks
 differ per segment, the segments are attended to apart and merged by their
-log-sum-exp. The ops either apply the layer's rotation themselves (model-space
-queries, tails and output: :meth:`DecodeMixin._attend_decode_model_space`) or take
+log-sum-exp (:meth:`DecodeMixin._attend_segments`, one plan for both kinds of op:
+:meth:`DecodeMixin._compressed_part` puts the rotation on the op's side or around
+it). The ops either apply the layer's rotation themselves (model-space queries,
+tails and output: :meth:`DecodeMixin._attend_decode_model_space`) or take
 code-space queries and tails (:meth:`DecodeMixin._attend_decode`; see
-:meth:`~turboquant_mlx.storage.StorageMixin._op_signs`). A verification block's
+:meth:`~turboquant_mlx.storage.StorageMixin._op_signs`). Their one-call fast paths
+differ in more than the rotation's place (the ring is written by an op in model
+space, by a compiled transform in code space; code space keeps the last tail), and
+stay apart. A verification block's
 queries each see the cache as a single-token step at their position would
 (:meth:`DecodeMixin._attend_block`).
 """
@@ -209,38 +214,61 @@ class DecodeMixin:
         segments = self._dense_segments(self.offset)
         fused = (codespace._COMPILE and sinks is None and c >= L and all(
             self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
-        if fused:
-            dense_k = [k for k, _, _, _ in segments]
-            dense_v = [v for _, v, _, _ in segments]
-            tail = sum(n for _, _, _, n in segments)
-            # Without a tail, a row whose keys are all masked must stay 0: mu_v is only
-            # added where a row saw a key (the general path checks).
-            if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
-                return self._attend_decode_with_tail(
-                    queries, scale, *self._op_mask(mask, c, wpos, q0, L), ns, c, wpos,
-                    dense_k, dense_v,
-                )
-            parts = []
-        else:
-            parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
+        if not fused:
+            return self._attend_segments(queries, scale, mask, sinks, c, wpos)
+        dense_k = [k for k, _, _, _ in segments]
+        dense_v = [v for _, v, _, _ in segments]
+        tail = sum(n for _, _, _, n in segments)
+        # Without a tail, a row whose keys are all masked must stay 0: mu_v is only
+        # added where a row saw a key (the general path checks).
+        if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
+            return self._attend_decode_with_tail(
+                queries, scale, *self._op_mask(mask, c, wpos, q0, L), ns, c, wpos,
+                dense_k, dense_v,
+            )
+        causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
+        out, lse = ops.compressed_attention(
+            self._compressed_queries(queries, fused=True),
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales,
+            self._k_centroids, self._v_centroids,
+            c, scale, self.key_bits, self.value_bits, causal, op_mask,
+        )
+        return _fused_decode_output(
+            out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v,
+        )
+
+    def _attend_segments(self, queries, scale, mask, sinks, c: int, wpos: int):
+        """A decode step's general plan, whichever side of the op the rotation is on: the
+        fp16 segments attended to apart, the ``c`` compressed tokens (before the window
+        at ``wpos``) in one op call (:meth:`_compressed_part`; dequantized when fewer
+        than the queries), merged by their log-sum-exp. Returns float32."""
+        L = queries.shape[2]
+        q0 = self.offset - L
+        parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
         if 0 < c < L:
             parts.append(self._dequantized_part(queries, scale, mask, c, q0))
         elif c > 0:
-            causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
-            out, lse = ops.compressed_attention(
-                self._compressed_queries(queries, fused=fused),
-                self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-                self._k_centroids, self._v_centroids,
-                c, scale, self.key_bits, self.value_bits, causal, op_mask,
-            )
-            if fused:
-                return _fused_decode_output(
-                    out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v,
-                )
-            parts.append(self._compressed_result(out, lse, queries, scale))
+            parts.append(self._compressed_part(
+                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L)))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
+
+    def _compressed_part(self, queries, c: int, scale: float, causal: bool = False,
+                         op_mask=None):
+        """``(out, lse)`` of the ``c`` compressed tokens alone, float32, in the model's
+        space. The rotation's place is the one difference between the two kinds of op:
+        ops that apply it themselves (:meth:`_op_signs`) take the model's queries
+        (:meth:`_model_space_op`); the others take code-space queries, and their output
+        comes back to the model's space here (:meth:`_compressed_result`)."""
+        if self._op_signs() is not None:
+            return self._model_space_op(queries, c, scale, causal, op_mask)
+        out, lse = ops.compressed_attention(
+            self._compressed_queries(queries), self._k_codes, self._k_scales,
+            self._v_codes, self._v_scales, self._k_centroids, self._v_centroids,
+            c, scale, self.key_bits, self.value_bits, causal, op_mask,
+        )
+        return self._compressed_result(out, lse, queries, scale)
 
     def _dequantized_part(self, queries, scale, mask, c: int, q0: int):
         """``(out, lse)`` of fewer compressed tokens than queries (the op needs
@@ -304,15 +332,8 @@ class DecodeMixin:
                 out, lse = dense_attention(self._compressed_queries(queries), kd, vd, scale,
                                            op_mask)
                 parts.append(self._compressed_result(out, lse, queries, scale))
-            elif self._op_signs() is not None:
-                parts.append(self._model_space_op(queries, c, scale, causal, op_mask))
             else:
-                out, lse = ops.compressed_attention(
-                    self._compressed_queries(queries), self._k_codes, self._k_scales,
-                    self._v_codes, self._v_scales, self._k_centroids, self._v_centroids,
-                    c, scale, self.key_bits, self.value_bits, causal, op_mask,
-                )
-                parts.append(self._compressed_result(out, lse, queries, scale))
+                parts.append(self._compressed_part(queries, c, scale, causal, op_mask))
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
@@ -357,15 +378,7 @@ class DecodeMixin:
             if self._ring is not None and self._ring.keys is tail[0]:
                 self._ring_readers.append(out)
             return out
-        parts = self._dense_parts(queries, scale, mask, q0, self.offset, combine=True)
-        if 0 < c < L:
-            parts.append(self._dequantized_part(queries, scale, mask, c, q0))
-        elif c > 0:
-            parts.append(self._model_space_op(
-                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L)))
-        if sinks is not None:
-            parts.append(self._sink_part(sinks, queries))
-        return merge_attention(parts)[0]
+        return self._attend_segments(queries, scale, mask, sinks, c, wpos)
 
     def _model_space_op(self, queries, c: int, scale: float, causal: bool = False,
                         op_mask=None, tail=(None, None), final: bool = False):
