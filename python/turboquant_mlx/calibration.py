@@ -39,7 +39,7 @@ class CalibrationMixin:
         return self._model_channels(self._key_scale)
 
     def _model_channels(self, a: Optional[mx.array]) -> Optional[mx.array]:
-        """``a`` without the padded channels (see the class docstring)."""
+        """``a`` without the padded channels (see :class:`TurboQuantKVCache`)."""
         if a is None or self._model_dim is None or a.shape[-1] == self._model_dim:
             return a
         return a[..., : self._model_dim]
@@ -127,7 +127,7 @@ class CalibrationMixin:
     def _calibrate(self, end: Optional[int] = None):
         """Fixes ``mu`` and ``a`` from the held tokens before position ``end`` (default:
         all of them) and the queries seen, then stores the held tokens as the calibrated
-        layout says (module docstring).
+        layout says (:mod:`turboquant_mlx.cache`).
 
         Until ``rollback_tokens`` tokens after ``end`` have arrived, the cache keeps what
         it needs to undo this: a trim back before ``end`` returns it to the uncalibrated

@@ -49,7 +49,7 @@ __all__ = ["TurboQuantKVCache"]
 class TurboQuantKVCache(
     StateMixin, CalibrationMixin, WindowMixin, StorageMixin, DecodeMixin, PrefillMixin, _BaseCache
 ):
-    """One layer's KV cache stored as TurboQuant codes (see the module docstring).
+    """One layer's KV cache stored as TurboQuant codes (see :mod:`turboquant_mlx.cache`).
 
     Args:
         key_bits: Bits per key coordinate (2, 3 or 4).
@@ -73,7 +73,7 @@ class TurboQuantKVCache(
             Incoming keys and values are rounded to it on arrival, so the cache
             behaves the same whichever segment a token is in when it is quantized.
         center: Store the compressed tokens centered on the calibration tokens' mean
-            keys and values (module docstring).
+            keys and values (:mod:`turboquant_mlx.cache`).
         query_aware_keys: Scale the compressed keys channel-wise by ``a`` from the
             calibration's query and key energies, and the queries by ``1/a``.
         rope_pairing: Channels whose energies are averaged for ``a`` (the pairs the
@@ -227,7 +227,7 @@ class TurboQuantKVCache(
         self._win_buf = None
         # The last single-token update as it arrived: (keys, values, position).
         self._new_token = None
-        # Calibration of the levers (module docstring); None means identity.
+        # Calibration of the levers (turboquant_mlx.cache); None means identity.
         self._calibrated = not (self.center or self.query_aware_keys)
         self._mu_k = self._mu_v = self._key_scale = None
         self._q_energy = None  # (B, H_kv, D) float32: sum of q^2 seen before calibration
