@@ -97,6 +97,7 @@ the parts that work on its attributes)::
 """
 
 from . import ops  # noqa: F401  (tests patch the ops through this module's name)
+from ._common import padded_head_dim  # noqa: F401
 from .factory import cache_nbytes, layer_seed, make_prompt_cache
 from .kv_cache import TurboQuantKVCache
 from .ops import MAX_TAIL_TOKENS  # noqa: F401  (read here by tests)
