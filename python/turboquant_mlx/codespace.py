@@ -19,6 +19,7 @@ import mlx.core as mx
 from .attention import dense_attention, merge_two
 from .rotation import rotate_forward, rotate_inverse
 
+
 def _half_queries_on_gpu(dtype) -> bool:
     """Whether rotated queries of ``dtype`` go to the op in that dtype (see
     ``TurboQuantKVCache._compressed_queries``)."""
