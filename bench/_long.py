@@ -345,6 +345,32 @@ def free():
     mx.clear_cache()
 
 
+def query_heads(name, a):
+    return a.heads if name == "llama8b" else a.qwen_heads
+
+
+def warm_attention_shapes(name, a, total, dtype):
+    """MLX's fused attention once at every shape a ``total``-token prompt fed in blocks
+    of ``a.block`` meets (block queries against every key length), before any cache is
+    timed. MLX's CUDA backend builds a cuDNN graph the first time it meets a shape:
+    without this, whichever cache runs first pays for graphs the next ones reuse (both
+    caches call the same attention with the same shapes)."""
+    t = time.perf_counter()
+    kv_heads, head_dim = attention_shape(name, a)
+    heads = query_heads(name, a)
+    done, shapes = 0, 0
+    while total - done > 1:
+        n = min(a.block, total - done - 1)
+        done += n
+        q = mx.zeros((1, heads, n, head_dim), dtype)
+        k = mx.zeros((1, kv_heads, done, head_dim), dtype)
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=1.0, mask="causal"))
+        shapes += 1
+    del q, k
+    free()
+    log(f"attention warmed at {shapes} shapes in {time.perf_counter() - t:.1f} s")
+
+
 def warm_up(model, name, a, vocab, after=None, fill=None):
     """One short prompt (``a.warmup_tokens``) and its first token with a fresh cache
     ``name``, so that kernels are compiled before anything is timed; ``after(cache,

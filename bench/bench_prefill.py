@@ -11,8 +11,10 @@ prompt are described in bench/_long.py (``--model llama8b``: the 8B-shaped 4-bit
 llama of bench/bench_decode.py; ``--model qwen35moe``: the Qwen3.5-35B-A3B-shaped
 hybrid MoE). Each cache is first warmed up once on a short prompt
 (``--warmup-tokens``, default two blocks and a token: MLX's CUDA backend compiles
-kernels on first use); a cache is built fresh for every measurement and everything is
-freed between caches.
+kernels on first use), and on a GPU MLX's fused attention is first run once at every
+shape the prompt meets (it builds a cuDNN graph per new shape: otherwise the first
+cache timed pays for graphs the others reuse); a cache is built fresh for every
+measurement and everything is freed between caches.
 
 Columns:
   prompt tok/s   prompt tokens but the last, over the time of their blocks
@@ -145,6 +147,8 @@ def main(argv=None):
         label = context_label(ctx)
         prompt = _long.random_tokens(ctx, vocab, a.seed)
         mx.eval(prompt)
+        if a.device == "gpu":
+            _long.warm_attention_shapes(a.model, a, ctx, dtype)
         base = None if "fp16" in names else _baseline_from(earlier, a, ctx)
         if base is not None:
             log(f"{label}: fp16 baseline from {a.jsonl}: {base['prompt_tps']:.1f} tok/s, peak "

@@ -220,6 +220,8 @@ def main(argv=None):
             verify(model, cache, y, 2, a.verify_tokens, drafts)
 
         fill = (_long.attention_shape(model_name, a), dtype) if a.fill else None
+        if fill is None and a.device == "gpu":
+            _long.warm_attention_shapes(model_name, a, a.context, dtype)
         for name in names:
             cache = y = logprobs = last = None
             err = None

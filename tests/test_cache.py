@@ -1831,8 +1831,10 @@ def test_refused_update_leaves_the_cache_unchanged(config, point):
 
 
 def test_default_finiteness_check():
-    # By default a prompt block is checked on the host (refused, nothing changed); a
-    # decode step too on the CPU, whose append kernels would refuse it after the cache
+    # By default a prompt block is checked: on the CPU before anything changes; on a
+    # GPU without waiting for it (a host read per layer and block would stall the
+    # prompt), by the next update, which takes the block back out and raises. A decode
+    # step is checked on the CPU, whose append kernels would refuse it after the cache
     # counted it, but not on a GPU (a host read per layer would stall pipelined decoding).
     rng = np.random.default_rng(4)
     cache = TurboQuantKVCache(4, 4, seed=1, fp16_recent_tokens=8)
@@ -1842,6 +1844,7 @@ def test_default_finiteness_check():
     bad[0, 0, 0, 7] = np.nan
     with pytest.raises(ValueError, match="update_and_fetch"):
         cache.update_and_fetch(mx.array(bad), _rand(rng, (1, 2, 9, 64)))
+        cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
     assert cache.offset == 24
     step = (mx.array(bad[:, :, :1]), _rand(rng, (1, 2, 1, 64)))
     if mx.default_device() == mx.cpu:
@@ -1854,3 +1857,36 @@ def test_default_finiteness_check():
     cache.check_finite = "sometimes"
     with pytest.raises(ValueError, match="check_finite"):
         cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+
+
+@pytest.mark.parametrize("when", ["next block", "decode step", "after trim"])
+def test_deferred_prompt_check_takes_the_block_back_out(when):
+    # The GPU's way (forced here): a non-finite prompt block is stored unread; the next
+    # update reads the check, takes the block back out and raises, and the cache then
+    # goes on as one that never saw the block. A trim that drops the block first drops
+    # its check too. (The window holds the whole bad block: no append kernel sees it.)
+    rng = np.random.default_rng(5)
+    cfg = dict(key_bits=4, value_bits=4, seed=1, fp16_recent_tokens=64)
+    cache, twin = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
+    cache._defer_prompt_check = True
+    first = (_rand(rng, (1, 2, 24, 64)), _rand(rng, (1, 2, 24, 64)))
+    for c in (cache, twin):
+        c.update_and_fetch(*first)
+    bad = np.array(_rand(rng, (1, 2, 12, 64)))
+    bad[0, 1, 5, 3] = np.inf
+    cache.update_and_fetch(mx.array(bad), _rand(rng, (1, 2, 12, 64)))  # not read yet
+    assert cache.offset == 36
+    n = {"next block": 10, "decode step": 1, "after trim": 1}[when]
+    nxt = (_rand(rng, (1, 2, n, 64)), _rand(rng, (1, 2, n, 64)))
+    if when == "after trim":
+        assert cache.trim(12) == 12
+        cache.update_and_fetch(*nxt)
+    else:
+        with pytest.raises(ValueError, match=r"update_and_fetch.*\[24, 36\).*taken back out"):
+            cache.update_and_fetch(*nxt)
+        assert cache.offset == 24
+        cache.update_and_fetch(*nxt)
+    twin.update_and_fetch(*nxt)
+    q = _queries(rng, (1, 4, n, 64))
+    np.testing.assert_array_equal(np.array(cache.attention(q, 0.125, "causal")),
+                                  np.array(twin.attention(q, 0.125, "causal")))

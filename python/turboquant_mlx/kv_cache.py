@@ -112,7 +112,9 @@ class TurboQuantKVCache(
     the new tokens, so the host waits for them to be computed. Attribute
     ``check_finite`` (class or instance) says which updates it checks: ``"auto"``
     (default) every prompt block (more than ``decode_max_queries`` tokens) and, on the
-    CPU, whose append kernels would refuse such tokens later, every update; ``"always"``
+    CPU, whose append kernels would refuse such tokens later, every update (on a GPU
+    the prompt block's check does not wait: the next update reads it, and if the block
+    was not finite, takes it back out of the cache and raises); ``"always"``
     decode and verify steps on a GPU too, at the price of pipelined decoding (the next
     step's graph is then built after this step's keys are known, not while they are
     computed); ``"never"``. On a GPU an unchecked non-finite token is stored as it is
@@ -131,6 +133,9 @@ class TurboQuantKVCache(
     # class docstring): "auto", "always" or "never".
     check_finite = "auto"
     default_prefill_budget_bytes = 1 << 30
+    # Whether "auto" defers a prompt block's check to the next update: None = on a GPU
+    # (the CPU's append kernels would refuse the tokens first). Tests set it.
+    _defer_prompt_check = None
 
     def __init__(
         self,
@@ -220,6 +225,9 @@ class TurboQuantKVCache(
         # The last prefill block as it arrived: (keys, values, first position), until
         # the attention call that follows it (see update_and_fetch).
         self._fresh = None
+        # A GPU prompt block's finiteness check, not yet read: (all-finite flag, first
+        # position, tokens, the block as given, window dtype) (see _settle_finite_check).
+        self._finite_pending = None
         self._drop_code_space()
         # The window's buffer (model space), a window.WindowBuffer, or None. Decode
         # steps write their token into it in place instead of concatenating the window
@@ -294,6 +302,7 @@ class TurboQuantKVCache(
         # The attention that follows must be the hook's (see ensure_hook), whoever made
         # this cache: mlx-lm's own would see only the tokens returned here.
         ensure_hook(sys._getframe(1).f_globals)
+        self._settle_finite_check()
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"{_PREFIX} update_and_fetch expects keys and values (B, H, L, D) with equal "
@@ -322,9 +331,15 @@ class TurboQuantKVCache(
         if check not in ("auto", "always", "never"):
             raise ValueError(f"{_PREFIX} check_finite must be 'auto', 'always' or 'never', "
                              f"got {check!r}.")
-        checked = check == "always" or check == "auto" and (
-            keys.shape[2] > self.decode_max_queries or mx.default_device() == mx.cpu)
-        if checked and not _fused_all_finite(keys, values).item():
+        prompt_block = keys.shape[2] > self.decode_max_queries
+        on_cpu = mx.default_device() == mx.cpu
+        checked = check == "always" or check == "auto" and (prompt_block or on_cpu)
+        # A GPU prompt block under "auto" is checked without waiting: reading the flag
+        # now would stall the GPU once per layer and block, about a tenth of a long
+        # prompt's time. The next update reads it (see _settle_finite_check).
+        deferred = checked and check == "auto" and prompt_block and (
+            not on_cpu if self._defer_prompt_check is None else self._defer_prompt_check)
+        if checked and not deferred and not _fused_all_finite(keys, values).item():
             raise ValueError(self._not_finite_message(given, window_dtype))
         # Everything checked (a refused update changes nothing): store.
         if self._head_dim is None:
@@ -357,8 +372,30 @@ class TurboQuantKVCache(
         # (<= decode_max_queries tokens) see the cache as stored. The reference is
         # dropped by the next update or trim.
         self._fresh = (keys, values, P) if L > self.decode_max_queries else None
+        if deferred:
+            self._finite_pending = (_fused_all_finite(keys, values), P, L, given,
+                                    window_dtype)
         self._new_token = (keys, values, P) if L == 1 else None
         return given
+
+    def _settle_finite_check(self):
+        """Reads a deferred prompt-block finiteness check (see update_and_fetch). A
+        block that was not finite is taken back out of the cache (``trim``), and the
+        call that found it raises."""
+        pending = self._finite_pending
+        if pending is None:
+            return
+        self._finite_pending = None
+        flag, start, n, given, window_dtype = pending
+        if flag.item():
+            return
+        self.trim(self.offset - start)
+        raise ValueError(
+            self._not_finite_message(given, window_dtype).replace(
+                "the cache is unchanged.",
+                f"the prompt block at positions [{start}, {start + n}) (checked when the "
+                "next call came, as GPU prompt blocks are) was taken back out of the cache.")
+        )
 
     @staticmethod
     def _not_finite_message(given, window_dtype) -> str:
@@ -471,6 +508,8 @@ class TurboQuantKVCache(
         self._new_token = None
         self._drop_code_space()
         new = self.offset - n
+        if self._finite_pending is not None and new <= self._finite_pending[1]:
+            self._finite_pending = None  # the unchecked block is gone
         S = self.fp16_sink_tokens
         if self._sink_k is not None and new < self._sink_k.shape[2]:
             if new == 0:
