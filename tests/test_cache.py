@@ -356,14 +356,14 @@ def _record_op_tails(monkeypatch):
 def test_compiled_decode_equals_eager(monkeypatch, layout, D):
     # Decode steps run the query and output transforms through mx.compile; they must
     # give what the eager functions give, and both what mlx's attention gives.
-    import turboquant_mlx.cache as tq_cache
+    from turboquant_mlx import codespace
 
     tails = _record_op_tails(monkeypatch)
     rng = np.random.default_rng(D)
     cache, K, V = _filled(rng, [37, 1, 5, 1, 20], B=1, H=2, D=D, **layout)
     for L in (1, 4):
         q = _rand(rng, (1, 4, L, D))
-        monkeypatch.setattr(tq_cache, "_COMPILE", True)
+        monkeypatch.setattr(codespace, "_COMPILE", True)
         tails.clear()
         fused = np.array(cache.attention(q, 0.2, "causal"))
         # The fp16 sinks and window go into the op as its tail, unless the window holds
@@ -373,7 +373,7 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
         in_window = L > 1 and layout.get("fp16_recent_tokens", 0) > 0
         lengths = [None if t is None else t.shape[2] for t in tails]
         assert lengths == [None if in_window or dense == 0 else dense], lengths
-        monkeypatch.setattr(tq_cache, "_COMPILE", False)
+        monkeypatch.setattr(codespace, "_COMPILE", False)
         eager = np.array(cache.attention(q, 0.2, "causal"))
         np.testing.assert_allclose(fused, eager, atol=1e-6 * _magnitude(V))
         want = _expected_steps(cache, cache.arrived, q, 0.2, "causal")

@@ -40,6 +40,7 @@ __all__ = [
     "dense_attention",
     "merge_attention",
     "merge_two",
+    "register_cache_class",
 ]
 
 _NEG_INF = float("-inf")
@@ -134,16 +135,21 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
 
 _lock = threading.Lock()
 _original = None  # mlx_lm.models.base.scaled_dot_product_attention before patching
-_cache_class = None
+# The cache classes whose attention the hook routes to ``cache.attention(...)``. The
+# classes register themselves (:func:`register_cache_class`), so that this module
+# never imports them: a cache exists only once its class is defined.
+_cache_classes: Tuple[type, ...] = ()
 
 
-def _tq_cache_class():
-    global _cache_class
-    if _cache_class is None:
-        from .cache import TurboQuantKVCache
-
-        _cache_class = TurboQuantKVCache
-    return _cache_class
+def register_cache_class(cls: type) -> type:
+    """Routes the hook's attention for caches of ``cls`` (and its subclasses) to their
+    ``attention(queries, scale=..., mask=..., sinks=...)`` method. Idempotent; returns
+    ``cls``."""
+    global _cache_classes
+    with _lock:
+        if cls not in _cache_classes:
+            _cache_classes = _cache_classes + (cls,)
+    return cls
 
 
 def hooked_scaled_dot_product_attention(
@@ -151,11 +157,12 @@ def hooked_scaled_dot_product_attention(
 ):
     """Drop-in replacement of ``mlx_lm.models.base.scaled_dot_product_attention``.
 
-    A :class:`~turboquant_mlx.cache.TurboQuantKVCache` computes attention on its
+    A cache of a registered class (:func:`register_cache_class`; a
+    :class:`~turboquant_mlx.cache.TurboQuantKVCache`) computes attention on its
     compressed storage (``keys``/``values`` returned by its ``update_and_fetch``
     are ignored); any other cache goes to the original function unchanged.
     """
-    if isinstance(cache, _tq_cache_class()):
+    if isinstance(cache, _cache_classes):
         return cache.attention(queries, scale=scale, mask=mask, sinks=sinks)
     original = _original
     if original is None:  # called after uninstall through a stale reference
