@@ -556,9 +556,11 @@ class TurboQuantKVCache(
 
     @classmethod
     def merge(cls, caches):
-        raise NotImplementedError(
-            f"{_PREFIX} batched generation (merging caches) is not supported by TurboQuantKVCache."
-        )
+        """One :class:`~turboquant_mlx.batch.BatchTurboQuantKVCache` of single-sequence
+        caches (mlx-lm's batched generation merges a layer's caches this way)."""
+        from .batch import BatchTurboQuantKVCache
+
+        return BatchTurboQuantKVCache.merge(caches)
 
     def __repr__(self):
         return (

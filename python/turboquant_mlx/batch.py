@@ -1,0 +1,963 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""A batch of compressed caches for mlx-lm's batched generation.
+
+:class:`BatchTurboQuantKVCache` is to :class:`~turboquant_mlx.cache.TurboQuantKVCache`
+what mlx-lm's ``BatchKVCache`` is to ``KVCache``: ``TurboQuantKVCache.merge`` returns
+one, and it follows mlx-lm's batch protocol (``prepare``/``finalize`` around a
+right-padded prompt block, ``merge``, ``extract``, ``filter``, ``extend``,
+``make_mask``, ``trim``, ``state``/``meta_state``), so that
+``mlx_lm.generate.batch_generate`` and ``BatchGenerator`` run unchanged on
+compressed caches. Linear-attention and rotating layers keep mlx-lm's own batch
+caches.
+
+Layout. The ``B`` rows share one axis of *columns* ``[0, idx)``; row ``b``'s tokens
+are left-padded, position ``p`` at column ``pad_b + p``. Per row, as in the single
+cache: positions ``[0, S)`` are fp16 sinks, ``[S, S + c_b)`` compressed, the rest
+an fp16 window. Since every row ends at column ``idx``, the window (the last ``R``
+columns) is aligned across rows and the compressed segments all end at one column
+``W = idx - R``; they start at the rows' own columns ``pad_b + S``. So:
+
+* the compressed buffers are column-indexed ``(B, H_kv, capacity, words)``: one
+  ``quantize_append`` writes every row's leaving token, with per-row means;
+  columns a row does not own (its padding and sinks) hold codes it never sees;
+* the sinks live apart, ``(B, H_kv, S, D)`` by position (row ``b``'s first real
+  tokens sit at different columns);
+* an fp16 column buffer holds the window (plus ``rollback_tokens`` columns for
+  ``trim``) and, for a row not yet calibrated, every token it holds.
+
+Attention of a layer is one ``compressed_attention`` call over all rows, with a
+boolean mask ``(B, 1, L, W)`` that keeps row ``b``'s columns ``[pad_b + S, W)``;
+when every row holds its full sinks and window (the usual decode step), those are
+the op's tail and the call is the layer's whole attention. Otherwise the fp16 part
+is a masked dense attention over the sinks and the fp16 columns, merged with the
+compressed part by log-sum-exp. Padding never reaches attention, the calibration
+means or the sinks.
+
+Each row follows the single cache's rules on its own tokens: it calibrates
+(``center``) when it holds ``calibration_tokens`` non-sink tokens, from every
+non-sink token it holds; a decode step sees the cache as stored; the queries of a
+prompt block see the block as it arrived and older tokens as stored. A row of a
+prompt block that brings at most ``decode_max_queries`` tokens to a calibrated
+cache is answered as a prompt block here, where the single cache answers it as
+single-token steps (it sees some of the block quantized): that happens only with
+history (a cache merged with tokens in it, a prompt longer than the prefill step).
+
+Not supported (refused by ``merge``): ``query_aware_keys`` (preset ``k3v3``), head
+dims the kernels do not rotate themselves (not a power of two, or padded).
+"""
+
+import copy
+import sys
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from . import codebook, ops
+from .attention import dense_attention, ensure_hook, merge_attention, register_cache_class
+from .rotation import Rotation
+
+__all__ = ["BatchTurboQuantKVCache"]
+
+_PREFIX = "[turboquant_mlx.batch]"
+
+# The single cache's settings a batch keeps (all of them but the runtime ones).
+_SETTINGS = (
+    "key_bits", "value_bits", "seed", "fp16_sink_tokens", "fp16_recent_tokens",
+    "rollback_tokens", "center", "query_aware_keys", "rope_pairing", "rope_dims",
+    "calibration_tokens", "rotate_values",
+)
+
+
+def _single_class():
+    from .cache import TurboQuantKVCache
+
+    return TurboQuantKVCache
+
+
+def _settings_of(cache) -> dict:
+    return {name: getattr(cache, name) for name in _SETTINGS}
+
+
+def _roll_rows(x: mx.array, shifts: mx.array) -> mx.array:
+    """Each row ``b`` of ``x`` ``(B, H, N, ...)`` rolled right by ``shifts[b]`` on axis 2."""
+    n = x.shape[2]
+    idx = (mx.arange(n)[None, :] - shifts[:, None]) % n  # (B, N)
+    idx = idx.reshape(idx.shape[:1] + (1, n) + (1,) * (x.ndim - 3))
+    return mx.take_along_axis(x, mx.broadcast_to(idx, x.shape), axis=2)
+
+
+class BatchTurboQuantKVCache(_BaseCache):
+    """The compressed caches of one layer for ``B`` left-padded sequences (see the
+    module docstring). Build it with ``TurboQuantKVCache.merge(caches)``.
+
+    Attributes (mlx-lm's batch protocol):
+        offset: ``(B,)`` int32, each row's position of the next token (RoPE).
+        left_padding: ``(B,)`` int32.
+    """
+
+    step = 256  # capacity granularity of the buffers (tokens)
+    decode_max_queries = 8  # the op's most queries per call
+
+    def __init__(self, settings: dict, left_padding: List[int], window_dtype=None):
+        self._settings = dict(settings)
+        for name, value in self._settings.items():
+            setattr(self, name, value)
+        if self.query_aware_keys:
+            raise ValueError(
+                f"{_PREFIX} query_aware_keys (e.g. preset k3v3) is not supported in a batch; "
+                "use a preset without it (tq4, k4v3, tq3, ...)."
+            )
+        self.window_dtype = window_dtype
+        self._pad = [int(p) for p in left_padding]
+        if any(p < 0 for p in self._pad):
+            raise ValueError(f"{_PREFIX} left_padding must be >= 0, got {self._pad}.")
+        self._rpad = None  # right padding of the prompt block under way (prepare)
+        self._idx = 0  # columns
+        self._dk = self._dv = None  # fp16 columns [_d0, _d0 + capacity)
+        self._d0 = 0
+        self._dlo = 0  # first column a row may still need in the fp16 buffer
+        self._sk = self._sv = None  # (B, H, S, D) sinks by position
+        self._ns = [0] * len(self._pad)  # sinks held per row
+        self._kc = self._ks = self._vc = self._vs = None  # column-indexed codes
+        self._W = 0  # compressed columns end (calibrated rows' codes valid below)
+        self._first = None  # per-row code ends after a right-padded block (finalize)
+        self._floor = 0  # trim never goes below this column
+        no_levers = not self.center
+        self._cal = [no_levers] * len(self._pad)
+        self._mu_k = self._mu_v = None  # (B, H, 1, D) float32 (zeros: not calibrated)
+        self._dirty = False  # tokens arrived since the last _settle
+        self._private = True  # buffers this cache's alone (in-place writes allowed)
+        self._head_dim = None
+        self._arrays = None  # cached (left_padding, offset) arrays
+
+    # -- mlx-lm's attributes ----------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._pad)
+
+    def _index_arrays(self):
+        if self._arrays is None:
+            self._arrays = (mx.array(self._pad, dtype=mx.int32),
+                            mx.array([self._idx - p for p in self._pad], dtype=mx.int32))
+        return self._arrays
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self._index_arrays()[0]
+
+    @property
+    def offset(self) -> mx.array:
+        return self._index_arrays()[1]
+
+    def _changed(self):
+        self._arrays = None
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self._dk is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    # -- storage ----------------------------------------------------------------------
+
+    def _init_storage(self, B, H, D, dtype):
+        rotation = Rotation(D, self.seed)
+        if rotation.kernel_signs is None:
+            raise ValueError(
+                f"{_PREFIX} head dim {D} is not supported in a batch: the kernels rotate "
+                "power-of-two head dims only (32, 64, 128, 256)."
+            )
+        for bits in (self.key_bits, self.value_bits):
+            ops.words_per_token(D, bits)  # (refuses an unsupported head dim)
+        self._head_dim = D
+        self._H = H
+        self._rotation = rotation
+        self._signs = rotation.kernel_signs
+        self._k_centroids = codebook.centroids(D, self.key_bits)
+        self._v_centroids = codebook.centroids(D, self.value_bits)
+        self.window_dtype = dtype
+        S = self.fp16_sink_tokens
+        self._dk = mx.zeros((B, H, self.step, D), dtype)
+        self._dv = mx.zeros((B, H, self.step, D), dtype)
+        self._d0 = self._dlo = self._idx
+        if S:
+            self._sk = mx.zeros((B, H, S, D), dtype)
+            self._sv = mx.zeros((B, H, S, D), dtype)
+        if self.center:
+            self._mu_k = mx.zeros((B, H, 1, D), mx.float32)
+            self._mu_v = mx.zeros((B, H, 1, D), mx.float32)
+        self._private = True
+
+    def _write_columns(self, keys, values):
+        """Writes ``(B, H, L, D)`` at columns ``[idx, idx + L)`` of the fp16 buffer."""
+        L = keys.shape[2]
+        end = self._idx + L
+        if end > self._d0 + self._dk.shape[2]:
+            # Rebuild from the first column still needed (drops what left the window).
+            lo = min(self._dlo, self._idx)
+            keep = self._idx - lo
+            cap = -(-(keep + L + self.step) // self.step) * self.step
+            B, H, _, D = self._dk.shape
+            pad = mx.zeros((B, H, cap - keep, D), self._dk.dtype)
+            a = lo - self._d0
+            self._dk = mx.concatenate([self._dk[:, :, a : a + keep], pad], axis=2)
+            self._dv = mx.concatenate([self._dv[:, :, a : a + keep], pad], axis=2)
+            self._d0 = lo
+            self._private = True
+        j = self._idx - self._d0
+        if self._private:
+            # In place, one node: readers of the buffer look only at columns < idx.
+            self._dk, self._dv = ops.write_tokens_kv(self._dk, self._dv, keys, values, j)
+        else:
+            self._dk[:, :, j : j + L] = keys
+            self._dv[:, :, j : j + L] = values
+
+    def _ensure_codes(self, needed: int):
+        cap = 0 if self._kc is None else self._kc.shape[2]
+        if needed <= cap:
+            return
+        new_cap = -(-max(needed, int(cap * 1.25)) // self.step) * self.step
+        B, H, D = len(self._pad), self._H, self._head_dim
+        wk = ops.words_per_token(D, self.key_bits)
+        wv = ops.words_per_token(D, self.value_bits)
+
+        def grow(buf, tail, dtype):
+            fresh = mx.zeros((B, H, new_cap - cap) + tail, dtype)
+            return fresh if buf is None else mx.concatenate([buf, fresh], axis=2)
+
+        self._kc = grow(self._kc, (wk,), mx.uint32)
+        self._ks = grow(self._ks, (), mx.float16)
+        self._vc = grow(self._vc, (wv,), mx.uint32)
+        self._vs = grow(self._vs, (), mx.float16)
+        self._private = True
+
+    # -- the protocol -----------------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Stores new tokens ``(B, H_kv, L, D)`` at the next ``L`` columns and returns
+        them unchanged (attention reads the cache through :meth:`attention`)."""
+        ensure_hook(sys._getframe(1).f_globals)
+        B = len(self._pad)
+        if keys.ndim != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[0] != B:
+            raise ValueError(
+                f"{_PREFIX} update_and_fetch expects keys and values (B={B}, H, L, D) with "
+                f"equal B, H, L; got {tuple(keys.shape)} and {tuple(values.shape)}."
+            )
+        if keys.shape[-1] != values.shape[-1]:
+            raise ValueError(
+                f"{_PREFIX} keys and values must have the same head dim; got "
+                f"{keys.shape[-1]} and {values.shape[-1]}."
+            )
+        if self._head_dim is not None and (keys.shape[1], keys.shape[3]) != (
+                self._H, self._head_dim):
+            raise ValueError(
+                f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
+                f"(H_kv, D) = {(self._H, self._head_dim)}."
+            )
+        given = keys, values
+        dtype = self.window_dtype
+        if dtype is None:
+            dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
+        if self._head_dim is None:
+            self._init_storage(B, keys.shape[1], keys.shape[3], dtype)
+        self._settle()  # (a prompt block's quantization, if no finalize came)
+        keys = keys.astype(self.window_dtype)
+        values = values.astype(self.window_dtype)
+        L = keys.shape[2]
+        if self._rpad is not None:
+            # Right padding is garbage: stored as zeros, so that nothing non-finite
+            # can reach the codec when those columns are quantized for other rows.
+            real = mx.array([L - r for r in self._rpad])[:, None, None, None]
+            keep = mx.arange(L)[None, None, :, None] < real
+            keys = mx.where(keep, keys, 0)
+            values = mx.where(keep, values, 0)
+        self._write_columns(keys, values)
+        self._idx += L
+        self._changed()
+        self._dirty = True
+        self._block = L
+        return given
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        """mlx-lm's announcement of a prompt block: ``left_padding`` (only on an empty
+        cache) or ``right_padding`` (undone by :meth:`finalize`)."""
+        if left_padding is not None:
+            if not self.empty():
+                raise ValueError(f"{_PREFIX} left padding can only be added to an empty cache.")
+            self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
+            self._changed()
+        if right_padding is not None and max(right_padding) > 0:
+            self._settle()
+            self._rpad = [int(r) for r in right_padding]
+
+    def finalize(self):
+        """Moves each row's right padding to its left (after a right-padded block)."""
+        if self._rpad is not None:
+            shifts = mx.array(self._rpad, dtype=mx.int32)
+            n = self._idx - self._d0
+            self._dk = _roll_rows(self._dk[:, :, :n], shifts)
+            self._dv = _roll_rows(self._dv[:, :, :n], shifts)
+            if self._kc is not None:
+                self._kc, self._ks, self._vc, self._vs = (
+                    _roll_rows(a, shifts) for a in (self._kc, self._ks, self._vc, self._vs))
+            self._private = True
+            # Each row's codes moved with it; its fp16 columns before d0 + shift are
+            # what wrapped around (its right padding), so its codes stay as they are.
+            self._first = [self._W + r for r in self._rpad]
+            self._floor = max(self._floor, self._d0 + max(self._rpad))
+            self._dirty = True
+            self._pad = [p + r for p, r in zip(self._pad, self._rpad)]
+            self._rpad = None
+            self._changed()
+        self._settle()
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """What the model passes back to attention: ``None`` / ``"causal"`` (the cache
+        masks the padding itself), or with ``return_array`` mlx-lm's batch mask."""
+        if window_size is not None:
+            raise ValueError(f"{_PREFIX} sliding-window masks are not supported.")
+        if return_array:
+            return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding)
+        return None if N == 1 else "causal"
+
+    # -- settling: sinks, calibration, quantization -----------------------------------
+
+    def _real(self, b: int) -> int:
+        return self._idx - self._pad[b]
+
+    def _settle(self):
+        """Brings every row to its layout after new tokens (none while a right-padded
+        block waits for :meth:`finalize`): captures sinks, calibrates the rows that
+        hold enough tokens, quantizes what left the window."""
+        if not self._dirty or self._rpad is not None or self._dk is None:
+            return
+        self._dirty = False
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        B, d0, idx = len(self._pad), self._d0, self._idx
+        pad = self._pad
+        # Sinks: each row's first S real tokens.
+        want = [min(S, self._real(b)) for b in range(B)]
+        if any(w > n for w, n in zip(want, self._ns)):
+            s = mx.arange(S)
+            cols = mx.clip(mx.array(pad)[:, None] + s[None, :] - d0, 0, idx - d0 - 1)
+            cols = mx.broadcast_to(cols[:, None, :, None], self._sk.shape)
+            new = ((s[None, :] >= mx.array(self._ns)[:, None])
+                   & (s[None, :] < mx.array(want)[:, None]))[:, None, :, None]
+            self._sk = mx.where(new, mx.take_along_axis(self._dk, cols, axis=2), self._sk)
+            self._sv = mx.where(new, mx.take_along_axis(self._dv, cols, axis=2), self._sv)
+            self._ns = want
+        # Calibration of the rows that now hold calibration_tokens non-sink tokens.
+        first = self._first or [self._W] * B  # each row's codes are valid below this
+        self._first = None
+        fresh = [b for b in range(B) if not self._cal[b]
+                 and self._real(b) - S >= self.calibration_tokens]
+        if fresh:
+            mk, mv = [], []
+            for b in range(B):
+                if b in fresh:
+                    a = pad[b] + S - d0
+                    # (Contiguous, as the single cache reduces its held tokens.)
+                    k = mx.contiguous(self._dk[b : b + 1, :, a : idx - d0])
+                    v = mx.contiguous(self._dv[b : b + 1, :, a : idx - d0])
+                    mk.append(mx.mean(k.astype(mx.float32), axis=2, keepdims=True))
+                    mv.append(mx.mean(v.astype(mx.float32), axis=2, keepdims=True))
+                else:
+                    mk.append(self._mu_k[b : b + 1])
+                    mv.append(self._mu_v[b : b + 1])
+            self._mu_k = mx.concatenate(mk, axis=0)
+            self._mu_v = mx.concatenate(mv, axis=0)
+            for b in fresh:
+                self._cal[b] = True
+                first[b] = pad[b] + S
+            self._floor = idx  # (trim never goes back before a calibration)
+        # Quantize what left the window: columns [first_b, idx - R) of each calibrated
+        # row. Columns a row does not own (padding, sinks, not calibrated) take codes
+        # it never sees.
+        target = max(0, idx - R)
+        starts = [max(first[b], d0) for b in range(B) if self._cal[b]]
+        if starts and target > min(starts):
+            lo = min(starts)
+            if all(s == lo for s in starts):
+                self._quantize(lo, target)
+            else:
+                self._quantize_rows(lo, target, [max(first[b], d0) if self._cal[b] else lo
+                                                 for b in range(B)])
+        self._W = target
+        # The first column a row may still need in fp16: its sinks to come, its held
+        # tokens before calibration, its window and rollback columns after.
+        need = []
+        for b in range(B):
+            if self._ns[b] < S:
+                need.append(pad[b] + self._ns[b])
+            elif not self._cal[b]:
+                need.append(pad[b] + S)
+            else:
+                need.append(max(pad[b] + S, idx - R - self.rollback_tokens))
+        self._dlo = max(d0, min(min(need), idx)) if need else idx
+
+    def _quantize(self, start: int, end: int):
+        """Quantizes fp16 columns ``[start, end)`` of every row into the codes."""
+        self._ensure_codes(end)
+        d0 = self._d0
+        k = self._dk[:, :, start - d0 : end - d0]
+        v = self._dv[:, :, start - d0 : end - d0]
+        v_signs = self._signs if self.rotate_values else None
+        if self._private:
+            self._kc, self._ks, self._vc, self._vs = ops.quantize_append_kv(
+                self._kc, self._ks, self._vc, self._vs, k, v, self._k_centroids,
+                self._v_centroids, start, self.key_bits, self.value_bits,
+                key_rotation_signs=self._signs, value_rotation_signs=v_signs,
+                key_mean=self._mu_k, value_mean=self._mu_v,
+            )
+        else:
+            self._kc, self._ks = ops.quantize_append(
+                self._kc, self._ks, k, self._k_centroids, start, self.key_bits,
+                rotation_signs=self._signs, mean=self._mu_k)
+            self._vc, self._vs = ops.quantize_append(
+                self._vc, self._vs, v, self._v_centroids, start, self.value_bits,
+                rotation_signs=v_signs, mean=self._mu_v)
+            self._private = True
+
+    def _quantize_rows(self, lo: int, end: int, starts: List[int]):
+        """Quantizes columns ``[starts_b, end)`` of each row ``b`` (``lo = min starts``),
+        keeping the codes below ``starts_b``: after a calibration or a right-padded
+        block the rows' valid codes end at different columns."""
+        self._ensure_codes(end)
+        n, d0 = end - lo, self._d0
+        B, H, D = len(self._pad), self._H, self._head_dim
+        k = self._dk[:, :, lo - d0 : end - d0]
+        v = self._dv[:, :, lo - d0 : end - d0]
+        wk = ops.words_per_token(D, self.key_bits)
+        wv = ops.words_per_token(D, self.value_bits)
+        kc, ks = ops.quantize_append(
+            mx.zeros((B, H, n, wk), mx.uint32), mx.zeros((B, H, n), mx.float16), k,
+            self._k_centroids, 0, self.key_bits, rotation_signs=self._signs, mean=self._mu_k)
+        vc, vs = ops.quantize_append(
+            mx.zeros((B, H, n, wv), mx.uint32), mx.zeros((B, H, n), mx.float16), v,
+            self._v_centroids, 0, self.value_bits,
+            rotation_signs=self._signs if self.rotate_values else None, mean=self._mu_v)
+        keep = mx.arange(lo, end)[None, :] >= mx.array(starts)[:, None]  # (B, n)
+        keep = keep[:, None, :]
+        for name, new in (("_kc", kc), ("_ks", ks), ("_vc", vc), ("_vs", vs)):
+            buf = getattr(self, name)
+            k_ = keep if new.ndim == 3 else keep[..., None]
+            buf[:, :, lo:end] = mx.where(k_, new, buf[:, :, lo:end])
+            setattr(self, name, buf)
+        self._private = True
+
+    # -- attention --------------------------------------------------------------------
+
+    def _comp_lo(self) -> List[int]:
+        """Each row's first compressed column (past ``W`` when it has none)."""
+        S = self.fp16_sink_tokens
+        return [p + S if c else self._W for p, c in zip(self._pad, self._cal)]
+
+    def _dense_lo(self) -> List[int]:
+        """Each row's first column of the fp16 buffer that attention sees."""
+        S = self.fp16_sink_tokens
+        out = []
+        for p, n, c in zip(self._pad, self._ns, self._cal):
+            if n < S:
+                out.append(p + n)
+            else:
+                out.append(max(p + S, self._W) if c else p + S)
+        return out
+
+    def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        """Attention of ``queries`` ``(B, H_q, L, D)`` (the last ``L`` columns) over
+        every row's tokens; ``(B, H_q, L, D)`` in the queries' dtype."""
+        if self._head_dim is None or self._idx == 0:
+            raise ValueError(f"{_PREFIX} attention on an empty cache.")
+        B, n_q, L, D = queries.shape
+        if B != len(self._pad) or D != self._head_dim or n_q % self._H:
+            raise ValueError(
+                f"{_PREFIX} queries {tuple(queries.shape)} do not match the cache "
+                f"(B, H_kv, D) = {(len(self._pad), self._H, self._head_dim)}."
+            )
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"{_PREFIX} unknown mask mode {mask!r}.")
+            mask = None
+        elif mask is not None:
+            if mask.dtype != mx.bool_ or mask.shape[-1] != self._idx:
+                raise ValueError(
+                    f"{_PREFIX} an array mask must be boolean over the {self._idx} columns, "
+                    f"got {mask.dtype} {tuple(mask.shape)}."
+                )
+        if L == 1 and self._rpad is None:
+            self._settle()  # a decode step sees the cache as stored
+        if mask is None and sinks is None and L == 1 and self._rpad is None:
+            out = self._attend_one_call(queries, scale)
+            if out is not None:
+                return out
+        parts = []
+        comp = self._compressed_part(queries, scale, mask)
+        if comp is not None:
+            parts.append(comp)
+        parts.append(self._dense_part(queries, scale, mask))
+        if sinks is not None:
+            lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
+            parts.append((mx.zeros((B, n_q, L, D), mx.float32), lse))
+        return merge_attention(parts)[0].astype(queries.dtype)
+
+    def _op(self, queries, scale, op_mask, tail=(None, None), final=False):
+        return ops.compressed_attention(
+            queries, self._kc, self._ks, self._vc, self._vs, self._k_centroids,
+            self._v_centroids, self._W, scale, self.key_bits, self.value_bits, False,
+            op_mask, tail_k=tail[0], tail_v=tail[1], rotation_signs=self._signs,
+            rotate_output=self.rotate_values, key_mean=self._mu_k, value_mean=self._mu_v,
+            out_dtype=queries.dtype if final else None,
+        )
+
+    def _comp_mask(self, L: int, lo: List[int], mask=None):
+        """Bool ``(B, 1, L|1, W)``: row b's compressed columns ``[lo_b, W)``, or None
+        when every row sees all ``W``."""
+        if mask is None and all(x == 0 for x in lo):
+            return None
+        keep = mx.arange(self._W)[None, :] >= mx.array(lo)[:, None]
+        keep = keep[:, None, None, :]
+        if mask is not None:
+            keep = keep & mask[..., : self._W]
+        return keep
+
+    def _attend_one_call(self, queries, scale):
+        """A decode step where every row holds its full sinks and window: one op call
+        with them as the tail (None where a row does not)."""
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        W, idx, d0 = self._W, self._idx, self._d0
+        if (W == 0 or not all(self._cal) or any(n < S for n in self._ns)
+                or any(p + S > W for p in self._pad) or S + R > ops.MAX_TAIL_TOKENS
+                or self._kc is None or W != max(0, idx - R)):
+            return None
+        ks, vs = [], []
+        if S:
+            ks.append(self._sk)
+            vs.append(self._sv)
+        if R:
+            ks.append(self._dk[:, :, W - d0 : idx - d0])
+            vs.append(self._dv[:, :, W - d0 : idx - d0])
+        tail = (None, None)
+        if ks:
+            tail = (ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
+                    vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2))
+        lo = [p + S for p in self._pad]
+        return self._op(queries, scale, self._comp_mask(1, lo), tail, final=True)[0]
+
+    def _compressed_part(self, queries, scale, mask):
+        """``(out, lse)`` over the rows' compressed columns, or None (none visible)."""
+        lo = self._comp_lo()
+        W = self._W
+        if self._kc is None or W == 0 or min(lo) >= W:
+            return None
+        L = queries.shape[2]
+        if L <= self.decode_max_queries:
+            return self._op(queries, scale, self._comp_mask(L, lo, mask))
+        # A prompt block over compressed history: the op takes at most 8 queries, so
+        # the visible columns are decoded once (this layer's temporary, as the single
+        # cache's prefill does) and attended densely.
+        a = min(lo)
+        n = W - a
+        yk = ops.dequantize(self._kc, self._ks, self._k_centroids, self.key_bits, a, n)
+        yv = ops.dequantize(self._vc, self._vs, self._v_centroids, self.value_bits, a, n)
+        k = self._rotation.inverse(yk)
+        v = self._rotation.inverse(yv) if self.rotate_values else yv
+        if self.center:
+            k = k + self._mu_k
+            v = v + self._mu_v
+        keep = mx.arange(a, W)[None, :] >= mx.array(lo)[:, None]
+        keep = keep[:, None, None, :]
+        if mask is not None:
+            keep = keep & mask[..., a:W]
+        return dense_attention(queries, k, v, scale, keep)
+
+    def _dense_part(self, queries, scale, mask):
+        """``(out, lse)`` over the sinks and the fp16 columns each row sees."""
+        S = self.fp16_sink_tokens
+        L = queries.shape[2]
+        idx, d0 = self._idx, self._d0
+        lo = self._dense_lo()
+        a = max(d0, min(lo))
+        cols = mx.arange(a, idx)
+        q_cols = mx.arange(idx - L, idx)
+        keep = (cols[None, None, :] >= mx.array(lo)[:, None, None]) & (
+            cols[None, None, :] <= q_cols[None, :, None])  # (B, L, n)
+        keep = keep[:, None]
+        if mask is not None:
+            keep = keep & mask[..., a:idx]
+        k = self._dk[:, :, a - d0 : idx - d0]
+        v = self._dv[:, :, a - d0 : idx - d0]
+        if S and max(self._ns) > 0:
+            s_keep = (mx.arange(S)[None, :] < mx.array(self._ns)[:, None])[:, None, None, :]
+            s_keep = mx.broadcast_to(s_keep, (len(self._pad), 1, L, S))
+            if mask is not None:
+                scols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]
+                scols = mx.minimum(scols, idx - 1)[:, None, None, :]
+                m = mx.broadcast_to(mask, mask.shape[:-2] + (L, idx))
+                m = mx.broadcast_to(m, (len(self._pad),) + m.shape[1:])
+                scols = mx.broadcast_to(scols, m.shape[:-1] + (S,))
+                s_keep = s_keep & mx.take_along_axis(m, scols, axis=-1)
+            k = mx.concatenate([self._sk, k], axis=2)
+            v = mx.concatenate([self._sv, v], axis=2)
+            keep = mx.concatenate([s_keep, mx.broadcast_to(keep, s_keep.shape[:3]
+                                                           + keep.shape[3:])], axis=-1)
+        return dense_attention(queries, k, v, scale, keep)
+
+    # -- batch operations -------------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches) -> "BatchTurboQuantKVCache":
+        """One batch from single caches (left-padded to the longest)."""
+        single = _single_class()
+        caches = list(caches)
+        if not caches:
+            raise ValueError(f"{_PREFIX} merge of no caches.")
+        for c in caches:
+            if not isinstance(c, single):
+                raise ValueError(f"{_PREFIX} merge takes TurboQuantKVCache, got {type(c).__name__}.")
+        settings = _settings_of(caches[0])
+        for c in caches[1:]:
+            if _settings_of(c) != settings:
+                raise ValueError(
+                    f"{_PREFIX} merge of caches with different settings: {settings} and "
+                    f"{_settings_of(c)}."
+                )
+        full = [c for c in caches if not c.empty()]
+        dtypes = {c.window_dtype for c in full}
+        if len(dtypes) > 1:
+            raise ValueError(f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
+        lengths = [c.size() for c in caches]
+        n = max(lengths)
+        batch = cls(settings, [n - l for l in lengths],
+                    window_dtype=next(iter(dtypes)) if dtypes else caches[0].window_dtype)
+        if not full:
+            return batch
+        ref = full[0]
+        if ref.padded:
+            raise ValueError(
+                f"{_PREFIX} head dim {ref.head_dim} (stored padded) is not supported in a batch."
+            )
+        H = ref._batch_heads[1]
+        for c in full:
+            if c._batch_heads != (1, H) or c.head_dim != ref.head_dim:
+                raise ValueError(
+                    f"{_PREFIX} merge takes caches of one sequence each with the same heads; "
+                    f"got (B, H_kv) = {c._batch_heads}, head dim {c.head_dim}."
+                )
+        B, D = len(caches), ref.head_dim
+        batch._idx = n
+        batch._init_storage(B, H, D, ref.window_dtype)
+        S, R = batch.fp16_sink_tokens, batch.fp16_recent_tokens
+        rows = []
+        for b, c in enumerate(caches):
+            if c.empty():
+                rows.append(None)
+                continue
+            arrays = c._state_arrays()
+            kc, ks, vc, vs, sk, sv, wk, wv, mk, mv = arrays[:10]
+            nc, ws, l = c._n_comp, c._win_start, c.offset
+            if c.calibrated and S + nc != max(S, min(l, l - R)) and l > S:
+                raise ValueError(
+                    f"{_PREFIX} cache {b} holds {nc} compressed tokens of {l} (a trim beyond "
+                    "its rollback window): it cannot join a batch."
+                )
+            rows.append((c, kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, nc, ws, l))
+        pads = batch._pad
+        starts = [pads[b] + r[12] for b, r in enumerate(rows) if r is not None and r[7].size]
+        lo = min(starts) if starts else n
+        cap = -(-(n - lo + batch.step) // batch.step) * batch.step
+        dk = mx.zeros((B, H, cap, D), batch.window_dtype)
+        dv = mx.zeros((B, H, cap, D), batch.window_dtype)
+        batch._d0 = lo
+        if any(r is not None and r[11] for r in rows):
+            batch._ensure_codes(n)
+        for b, r in enumerate(rows):
+            if r is None:
+                continue
+            c, kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, nc, ws, l = r
+            p = pads[b]
+            if wk.size:
+                dk[b : b + 1, :, p + ws - lo : n - lo] = wk
+                dv[b : b + 1, :, p + ws - lo : n - lo] = wv
+            if sk.size:
+                ns = sk.shape[2]
+                batch._sk[b : b + 1, :, :ns] = sk
+                batch._sv[b : b + 1, :, :ns] = sv
+                batch._ns[b] = ns
+            if nc:
+                a = p + S
+                batch._kc[b : b + 1, :, a : a + nc] = kc
+                batch._ks[b : b + 1, :, a : a + nc] = ks
+                batch._vc[b : b + 1, :, a : a + nc] = vc
+                batch._vs[b : b + 1, :, a : a + nc] = vs
+            batch._cal[b] = bool(c.calibrated)
+            if mk.size:
+                batch._mu_k[b : b + 1] = mk
+                batch._mu_v[b : b + 1] = mv
+        for b, r in enumerate(rows):
+            if r is None:
+                batch._cal[b] = not batch.center  # (an empty row calibrates on its own)
+        batch._dk, batch._dv = dk, dv
+        batch._W = max(0, n - R)
+        batch._dlo = lo
+        batch._floor = n  # (fp16 tokens before the merge are not all at hand)
+        batch._dirty = True
+        batch._settle()
+        return batch
+
+    def extract(self, idx: int):
+        """Row ``idx`` as a :class:`~turboquant_mlx.cache.TurboQuantKVCache`."""
+        self._settle()
+        single = _single_class()(**self._settings)
+        b = int(idx)
+        if self._dk is None or self._real(b) == 0:
+            single.window_dtype = self.window_dtype
+            return single
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        p, l, d0 = self._pad[b], self._real(b), self._d0
+        ns = self._ns[b]
+        cal = self._cal[b]
+        nc = max(0, self._W - (p + S)) if cal and ns == S else 0
+
+        def rows(a, lo, hi):
+            return mx.contiguous(a[b : b + 1, :, lo:hi])
+
+        empty16 = mx.zeros((0,), mx.float16)
+        comp = [empty16.astype(mx.uint32), empty16, empty16.astype(mx.uint32), empty16]
+        if nc:
+            comp = [rows(a, p + S, p + S + nc) for a in (self._kc, self._ks, self._vc, self._vs)]
+        sinks = [empty16, empty16]
+        if ns:
+            sinks = [rows(self._sk, 0, ns), rows(self._sv, 0, ns)]
+        if l <= S:
+            ws = S
+        elif cal and R == 0:
+            ws = l
+        elif cal:
+            ws = max(S, l - R - self.rollback_tokens, d0 - p, self._dlo - p)
+            ws = min(ws, S + nc)
+        else:
+            ws = S
+        window = [empty16, empty16]
+        if ws < l:
+            window = [rows(self._dk, p + ws - d0, self._idx - d0),
+                      rows(self._dv, p + ws - d0, self._idx - d0)]
+        levers = [mx.zeros((0,), mx.float32)] * 4
+        if cal and self.center:
+            levers[0] = mx.array(self._mu_k[b : b + 1])
+            levers[1] = mx.array(self._mu_v[b : b + 1])
+        # The single cache's configuration for this row (format of its state).
+        single.offset = l
+        single._n_comp = nc
+        single._win_start = ws
+        single._calibrated = cal
+        config = single._config_values()
+        single.state = comp + sinks + window + levers + config
+        single.rotate_values = self.rotate_values
+        return single
+
+    def filter(self, batch_indices):
+        """Keeps the rows ``batch_indices`` (in that order)."""
+        self._settle()
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
+                                 else batch_indices)]
+        sel = mx.array(keep, dtype=mx.int32)
+        self._pad = [self._pad[i] for i in keep]
+        self._ns = [self._ns[i] for i in keep]
+        self._cal = [self._cal[i] for i in keep]
+        if self._rpad is not None:
+            self._rpad = [self._rpad[i] for i in keep]
+        names = ("_dk", "_dv", "_sk", "_sv", "_kc", "_ks", "_vc", "_vs", "_mu_k", "_mu_v")
+        for name in names:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, a[sel])
+        self._private = True
+        self._changed()
+        # Columns that are padding in every remaining row go.
+        m = min(self._pad) if self._pad else 0
+        if m > 0 and self._rpad is None:
+            self._shift_left(m)
+
+    def _shift_left(self, m: int):
+        self._pad = [p - m for p in self._pad]
+        self._idx -= m
+        if self._dk is not None:
+            cut = max(0, m - self._d0)
+            if cut:
+                self._dk = self._dk[:, :, cut:]
+                self._dv = self._dv[:, :, cut:]
+            self._d0 = max(0, self._d0 - m)
+            self._dlo = max(self._d0, self._dlo - m)
+            if self._kc is not None:
+                self._kc, self._ks, self._vc, self._vs = (
+                    a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs))
+            self._W = max(0, self._W - m)
+            self._floor = max(0, self._floor - m)
+            self._private = False
+        self._changed()
+
+    def extend(self, other: "BatchTurboQuantKVCache"):
+        """Appends the rows of ``other`` (same settings), right-aligned on the columns."""
+        if not isinstance(other, BatchTurboQuantKVCache) or other._settings != self._settings:
+            raise ValueError(f"{_PREFIX} extend takes a batch of the same settings.")
+        self._settle()
+        other._settle()
+        if self._rpad is not None or other._rpad is not None:
+            raise ValueError(f"{_PREFIX} extend during a right-padded prompt block.")
+        idx = max(self._idx, other._idx)
+        ref = self if self._dk is not None else other
+        if ref._dk is None:  # both empty
+            self._pad = [p + idx - self._idx for p in self._pad] + [
+                p + idx - other._idx for p in other._pad]
+            self._ns += other._ns
+            self._cal += other._cal
+            self._idx = idx
+            self._changed()
+            return
+        B1, B2 = len(self._pad), len(other._pad)
+        H, D, dtype = ref._H, ref._head_dim, ref._dk.dtype
+        parts = [self, other]
+        d0 = min((c._d0 + idx - c._idx) for c in parts if c._dk is not None)
+        dlo = min((c._dlo + idx - c._idx) for c in parts if c._dk is not None)
+        any_codes = any(c._kc is not None for c in parts)
+        wk = ops.words_per_token(D, self.key_bits)
+        wv = ops.words_per_token(D, self.value_bits)
+        ncap = -(-(idx - d0 + self.step) // self.step) * self.step
+        ccap = -(-idx // self.step) * self.step if any_codes else 0
+
+        def place(c, Bc):
+            shift = idx - c._idx
+            if c._dk is None:
+                z = mx.zeros((Bc, H, ncap, D), dtype)
+                dk = dv = z
+                sk = sv = mx.zeros((Bc, H, self.fp16_sink_tokens, D), dtype)
+                codes = [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
+                         mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+                mu = [mx.zeros((Bc, H, 1, D), mx.float32)] * 2
+                return dk, dv, sk, sv, codes, mu
+            a = c._d0 + shift - d0  # where its first fp16 column lands
+            n = c._idx - c._d0
+
+            def fit(x, lead, total):
+                x = x[:, :, :max(0, min(x.shape[2], total - lead))]
+                widths = [(0, 0)] * x.ndim
+                widths[2] = (lead, total - lead - x.shape[2])
+                return mx.pad(x, widths)
+
+            dk = fit(c._dk[:, :, :n], a, ncap)
+            dv = fit(c._dv[:, :, :n], a, ncap)
+            sk, sv = c._sk, c._sv
+            if self.fp16_sink_tokens == 0:
+                sk = sv = None
+            if c._kc is not None:
+                codes = [fit(x, shift, ccap) for x in (c._kc, c._ks, c._vc, c._vs)]
+            else:
+                codes = [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
+                         mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+            mu = [c._mu_k, c._mu_v]
+            return dk, dv, sk, sv, codes, mu
+
+        a_, b_ = place(self, B1), place(other, B2)
+        if self._dk is None:
+            self._init_storage(B1, H, D, dtype)
+        self._dk = mx.concatenate([a_[0], b_[0]])
+        self._dv = mx.concatenate([a_[1], b_[1]])
+        if self.fp16_sink_tokens:
+            self._sk = mx.concatenate([a_[2], b_[2]])
+            self._sv = mx.concatenate([a_[3], b_[3]])
+        if any_codes:
+            self._kc, self._ks, self._vc, self._vs = (
+                mx.concatenate([x, y]) for x, y in zip(a_[4], b_[4]))
+        if self.center:
+            self._mu_k = mx.concatenate([a_[5][0], b_[5][0]])
+            self._mu_v = mx.concatenate([a_[5][1], b_[5][1]])
+        self._pad = [p + idx - self._idx for p in self._pad] + [
+            p + idx - other._idx for p in other._pad]
+        self._ns = self._ns + other._ns
+        self._cal = self._cal + other._cal
+        self._idx = idx
+        self._d0 = d0
+        self._dlo = max(d0, dlo)
+        self._W = max(0, idx - self.fp16_recent_tokens)
+        self._floor = max(c._floor + idx - c._idx for c in parts)
+        self._private = True
+        self._changed()
+        self._dirty = True
+        self._settle()
+
+    def trim(self, n: int) -> int:
+        """Drops the last ``n`` columns of every row, at most ``rollback_tokens`` and
+        never into a row's sinks or back before its calibration; returns how many."""
+        self._settle()
+        if self._dk is None:
+            return 0
+        S = self.fp16_sink_tokens
+        limit = [self.rollback_tokens, self._idx - max(self._dlo, self._floor)]
+        for b in range(len(self._pad)):
+            held = self._real(b)
+            limit.append(max(0, held - S))
+        n = max(0, min([int(n)] + limit))
+        if n:
+            self._idx -= n
+            self._W = min(self._W, max(0, self._idx - self.fp16_recent_tokens))
+            self._private = False
+            self._changed()
+        return n
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def state(self):
+        """The arrays (what ``mx.eval`` needs after a prompt block)."""
+        self._settle()
+        arrays = [self._dk, self._dv, self._sk, self._sv, self._kc, self._ks, self._vc,
+                  self._vs, self._mu_k, self._mu_v]
+        return [a for a in arrays if a is not None] + list(self._index_arrays())
+
+    @state.setter
+    def state(self, v):
+        raise ValueError(
+            f"{_PREFIX} a batch cache cannot be set from a state: extract its rows "
+            "(TurboQuantKVCache states) and merge them."
+        )
+
+    @property
+    def meta_state(self):
+        return tuple(str(x) for x in [self._idx] + self._pad)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        raise ValueError(
+            f"{_PREFIX} a batch cache cannot be set from a state: extract its rows "
+            "(TurboQuantKVCache states) and merge them."
+        )
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self._dk, self._dv, self._sk, self._sv, self._kc, self._ks, self._vc,
+                  self._vs, self._mu_k, self._mu_v]
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        # A deep copy shares the arrays' buffers: neither may write them in place.
+        self._private = new._private = False
+        return new
+
+    def __repr__(self):
+        return (f"BatchTurboQuantKVCache(B={len(self._pad)}, columns={self._idx}, "
+                f"K{self.key_bits}V{self.value_bits}, sinks={self.fp16_sink_tokens}, "
+                f"window={self.fp16_recent_tokens}, center={self.center})")
+
+
+register_cache_class(BatchTurboQuantKVCache)
