@@ -1,0 +1,284 @@
+# Copyright © 2026 turboquant_mlx contributors.
+
+"""Batched generation on compressed caches (turboquant_mlx.batch).
+
+The reference for a batch is each prompt generated alone, with mlx-lm's own
+``generate_step`` and a single cache of the same preset: mlx-lm's ``BatchGenerator``
+(and ``batch_generate``) on merged caches must give every row the same greedy tokens
+and logits within float tolerance. Greedy tokens are compared up to the first step
+where the single run's top two logits are closer than the tolerance (a near tie that
+float rounding may decide either way); the logits are compared up to there too.
+The batch's attention is checked against float64 attention over each row's
+dequantized tokens, and merge / extract / filter / extend against the single caches.
+"""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+
+from turboquant_mlx import codebook
+from turboquant_mlx.batch import BatchTurboQuantKVCache
+from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
+from turboquant_mlx.rotation import Rotation
+
+from lm_helpers import build_model, make_tokenizer
+
+LOGIT_ATOL = 2e-2  # batch vs alone: float rounding (and the rare code it flips)
+
+
+def _alone(model, prompt, preset, n):
+    cache = make_prompt_cache(model, preset=preset)
+    toks, logps = [], []
+    for (t, lp), _ in zip(generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                        max_tokens=n), range(n)):
+        toks.append(int(t))
+        logps.append(np.array(lp))
+    return toks, logps
+
+
+def _batched(model, prompts, preset, n, **kwargs):
+    gen = BatchGenerator(model, stop_tokens=None, **kwargs)
+    uids = gen.insert(prompts, [n] * len(prompts),
+                      caches=[make_prompt_cache(model, preset=preset) for _ in prompts])
+    toks = {u: [] for u in uids}
+    logps = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            toks[r.uid].append(r.token)
+            logps[r.uid].append(np.array(r.logprobs))
+    gen.close()
+    return [toks[u] for u in uids], [logps[u] for u in uids]
+
+
+def _assert_rows_match(model, prompts, preset, n, batch_toks, batch_logps):
+    compared = 0
+    for i, p in enumerate(prompts):
+        toks, logps = _alone(model, p, preset, n)
+        assert len(batch_toks[i]) == n
+        for s in range(n):
+            top2 = np.sort(logps[s])[-2:]
+            np.testing.assert_allclose(batch_logps[i][s], logps[s], atol=LOGIT_ATOL, rtol=0,
+                                       err_msg=f"row {i} (length {len(p)}) step {s}")
+            if top2[1] - top2[0] < LOGIT_ATOL:
+                break  # a near tie: the rest of the row may differ
+            assert batch_toks[i][s] == toks[s], f"row {i} (length {len(p)}) step {s}"
+            compared += 1
+    assert compared >= n * len(prompts) // 2  # (the comparison did not stop early)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lengths]
+
+
+# Lengths around the calibration (4 sinks + 32 tokens), the window (32 / 128) and 1.
+@pytest.mark.parametrize("name,preset,lengths,n,kwargs", [
+    ("llama", "tq4", (5, 40, 70, 1), 45, {}),
+    ("llama", "k4v3", (6, 150, 39), 30, {}),
+    ("llama", "tq4", (5, 40, 70, 9, 2), 40, dict(prefill_batch_size=2)),  # joins mid-decode
+    ("llama", "tq4", (60, 23), 20, dict(prefill_step_size=16)),  # prompts in chunks
+    ("qwen3", "tq4", (7, 33, 80), 40, {}),
+    ("qwen3_5", "tq4", (7, 34, 80), 40, {}),  # hybrid: ArraysCache layers batch as theirs
+    ("qwen3_5", "k4v3", (12, 140), 20, {}),
+    ("llama", "tq4-nowindow", (5, 40, 70), 40, {}),
+])
+def test_batch_generator_matches_alone(name, preset, lengths, n, kwargs):
+    model = build_model(name)
+    prompts = _prompts(lengths)
+    toks, logps = _batched(model, prompts, preset, n, **kwargs)
+    _assert_rows_match(model, prompts, preset, n, toks, logps)
+
+
+def test_batch_generate_tokens_and_returned_caches():
+    model = build_model("llama")
+    tok = make_tokenizer()
+    prompts = _prompts((5, 44, 70), seed=1)
+    n = 12
+    caches = [make_prompt_cache(model, preset="tq4") for _ in prompts]
+    out = batch_generate(model, tok, prompts, prompt_caches=caches, max_tokens=n,
+                         return_token_ids=True, return_prompt_caches=True)
+    for i, p in enumerate(prompts):
+        toks, _ = _alone(model, p, "tq4", n)
+        got = out.token_ids[i]
+        assert got == toks[: len(got)]
+        # The returned caches are single caches holding the row's tokens.
+        layer = out.caches[i][0]
+        assert isinstance(layer, TurboQuantKVCache)
+        assert layer.size() == len(p) + len(got) - 1 or layer.size() == len(p) + len(got)
+
+
+def test_smollm2_batch_matches_alone():
+    gguf = pytest.importorskip("turboquant_mlx.gguf")
+    try:
+        path = gguf.default_smollm2_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+    model, tok = gguf.load_gguf(path)
+    texts = ["The capital of France is", "Write a haiku about the sea. " * 6,
+             "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19"]
+    prompts = [tok.encode(t) for t in texts]
+    for preset in ("tq4", "k4v3"):
+        toks, logps = _batched(model, prompts, preset, 12)
+        _assert_rows_match(model, prompts, preset, 12, toks, logps)
+
+
+# -- the batch cache against the single caches and float64 attention -------------------
+
+
+def _filled_single(preset_kwargs, length, seed, H=2, D=64, queries=True):
+    """A single cache holding ``length`` random tokens, fed as a prompt block and
+    decode steps (so that it calibrates as generation would)."""
+    c = TurboQuantKVCache(**preset_kwargs)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 1, H, length, D)).astype(np.float32)
+    first = max(1, length - 3)
+    c.update_and_fetch(mx.array(x[0, :, :, :first]), mx.array(x[1, :, :, :first]))
+    if queries:
+        c.attention(mx.array(rng.standard_normal((1, 2 * H, first, D)), mx.float32), 0.125,
+                    "causal" if first > 1 else None)
+    for t in range(first, length):
+        c.update_and_fetch(mx.array(x[0, :, :, t : t + 1]), mx.array(x[1, :, :, t : t + 1]))
+        if queries:
+            c.attention(mx.array(rng.standard_normal((1, 2 * H, 1, D)), mx.float32), 0.125)
+    return c
+
+
+TQ4 = dict(key_bits=4, value_bits=4, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True)
+K4V3 = dict(key_bits=4, value_bits=3, fp16_sink_tokens=4, fp16_recent_tokens=128, center=True)
+PLAIN = dict(key_bits=3, value_bits=3)
+
+
+def _f64_attention(q, k, v, scale):
+    """float64 attention of one row's queries ``(Hq, L, D)`` over ``(H, N, D)``."""
+    Hq, H = q.shape[0], k.shape[0]
+    k = np.repeat(k, Hq // H, axis=0)
+    v = np.repeat(v, Hq // H, axis=0)
+    s = np.einsum("hld,hnd->hln", q, k) * scale
+    s -= s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hln,hnd->hld", p, v)
+
+
+def _single_kv(c):
+    k, v = c.dequantized_keys_values(mx.float32)
+    return np.array(k, np.float64)[0], np.array(v, np.float64)[0]
+
+
+@pytest.mark.parametrize("cfg", [TQ4, K4V3, PLAIN], ids=["tq4", "k4v3", "k3v3-plain"])
+def test_merge_attention_matches_float64_rows(cfg):
+    lengths = (3, 41, 90, 170)
+    singles = [_filled_single(cfg, n, seed=i) for i, n in enumerate(lengths)]
+    refs = [_single_kv(c) for c in singles]
+    batch = TurboQuantKVCache.merge(singles)
+    assert isinstance(batch, BatchTurboQuantKVCache)
+    assert batch.left_padding.tolist() == [max(lengths) - n for n in lengths]
+    assert batch.offset.tolist() == list(lengths)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((len(lengths), 4, 1, 64)).astype(np.float32)
+    out = np.array(batch.attention(mx.array(q), 0.125, None))
+    for b, (k, v) in enumerate(refs):
+        want = _f64_attention(q[b].astype(np.float64), k, v, 0.125)
+        np.testing.assert_allclose(out[b], want, atol=2e-5, rtol=1e-4)
+        # And the single cache's own attention.
+        one = np.array(singles[b].attention(mx.array(q[b : b + 1]), 0.125, None))
+        np.testing.assert_allclose(out[b], one[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [TQ4, PLAIN], ids=["tq4", "k3v3-plain"])
+def test_merge_extract_round_trip_and_decode(cfg):
+    lengths = (2, 37, 75)
+    singles = [_filled_single(cfg, n, seed=10 + i) for i, n in enumerate(lengths)]
+    batch = TurboQuantKVCache.merge(copy.deepcopy(singles))
+    for b, c in enumerate(singles):
+        e = batch.extract(b)
+        assert e.size() == c.size() and e.calibrated == c.calibrated
+        for x, y in zip(_single_kv(e), _single_kv(c)):
+            np.testing.assert_array_equal(x, y)
+    # Decode steps on the batch and on the singles see the same tokens.
+    rng = np.random.default_rng(3)
+    for step in range(40):
+        k = rng.standard_normal((3, 2, 1, 64)).astype(np.float32)
+        v = rng.standard_normal((3, 2, 1, 64)).astype(np.float32)
+        q = rng.standard_normal((3, 4, 1, 64)).astype(np.float32)
+        batch.update_and_fetch(mx.array(k), mx.array(v))
+        out = np.array(batch.attention(mx.array(q), 0.125, None))
+        for b, c in enumerate(singles):
+            c.update_and_fetch(mx.array(k[b : b + 1]), mx.array(v[b : b + 1]))
+            one = np.array(c.attention(mx.array(q[b : b + 1]), 0.125, None))
+            np.testing.assert_allclose(out[b], one[0], atol=2e-5, rtol=1e-4,
+                                       err_msg=f"row {b} step {step}")
+    for b, c in enumerate(singles):
+        e = batch.extract(b)
+        assert e.size() == c.size() and e.calibrated == c.calibrated
+        for x, y in zip(_single_kv(e), _single_kv(c)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_filter_and_extend_keep_rows():
+    cfg = TQ4
+    singles = [_filled_single(cfg, n, seed=20 + i) for i, n in enumerate((50, 8, 120, 36))]
+    refs = [_single_kv(c) for c in singles]
+    a = TurboQuantKVCache.merge(singles[:2])
+    b = TurboQuantKVCache.merge(singles[2:])
+    a.extend(b)
+    assert a.offset.tolist() == [50, 8, 120, 36]
+    for i, ref in enumerate(refs):
+        for x, y in zip(_single_kv(a.extract(i)), ref):
+            np.testing.assert_array_equal(x, y)
+    a.filter([3, 0])
+    assert a.offset.tolist() == [36, 50]
+    assert a.size() == 50  # the columns only row 2 needed are gone
+    for i, j in enumerate((3, 0)):
+        for x, y in zip(_single_kv(a.extract(i)), refs[j]):
+            np.testing.assert_array_equal(x, y)
+    # Extending with an empty batch adds rows with nothing in them.
+    a.extend(TurboQuantKVCache.merge([TurboQuantKVCache(**cfg)]))
+    assert a.offset.tolist() == [36, 50, 0]
+    assert a.extract(2).empty()
+
+
+def test_trim_is_exact_within_rollback():
+    singles = [_filled_single(TQ4, n, seed=30 + i) for i, n in enumerate((60, 90))]
+    batch = TurboQuantKVCache.merge(copy.deepcopy(singles))
+    rng = np.random.default_rng(5)
+    before = [_single_kv(batch.extract(b)) for b in range(2)]
+    for _ in range(5):
+        batch.update_and_fetch(mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
+                               mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32))
+        batch.attention(mx.array(rng.standard_normal((2, 4, 1, 64)), mx.float32), 0.125)
+    assert batch.trim(5) == 5
+    for b in range(2):
+        for x, y in zip(_single_kv(batch.extract(b)), before[b]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_merge_refusals():
+    with pytest.raises(ValueError, match="query_aware_keys"):
+        TurboQuantKVCache.merge([TurboQuantKVCache(3, 3, center=True, query_aware_keys=True)])
+    with pytest.raises(ValueError, match="different settings"):
+        TurboQuantKVCache.merge([TurboQuantKVCache(4, 4), TurboQuantKVCache(4, 3)])
+    c = TurboQuantKVCache(4, 4)
+    c.update_and_fetch(mx.zeros((1, 2, 3, 96)), mx.zeros((1, 2, 3, 96)))
+    with pytest.raises(ValueError, match="head dim 96"):
+        TurboQuantKVCache.merge([c])
+
+
+def test_batch_state_evaluates_and_deepcopy_does_not_share_writes():
+    singles = [_filled_single(TQ4, n, seed=40 + i) for i, n in enumerate((45, 80))]
+    batch = TurboQuantKVCache.merge(singles)
+    mx.eval(batch.state)
+    twin = copy.deepcopy(batch)
+    rng = np.random.default_rng(9)
+    ref = [_single_kv(twin.extract(b)) for b in range(2)]
+    for _ in range(40):  # moves tokens into the compressed columns of `batch` only
+        batch.update_and_fetch(mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
+                               mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32))
+        batch.attention(mx.array(rng.standard_normal((2, 4, 1, 64)), mx.float32), 0.125)
+    mx.eval(batch.state)
+    for b in range(2):
+        for x, y in zip(_single_kv(twin.extract(b)), ref[b]):
+            np.testing.assert_array_equal(x, y)
