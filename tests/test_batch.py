@@ -94,7 +94,9 @@ def test_batch_generator_matches_alone(name, preset, lengths, n, kwargs):
 
 def test_batch_generate_tokens_and_returned_caches():
     model = build_model("llama")
-    tok = make_tokenizer()
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tok = TokenizerWrapper(make_tokenizer())
     prompts = _prompts((5, 44, 70), seed=1)
     n = 12
     caches = [make_prompt_cache(model, preset="tq4") for _ in prompts]
