@@ -27,13 +27,15 @@ from turboquant_mlx.rotation import Rotation
 from lm_helpers import build_model, make_tokenizer
 
 LOGIT_ATOL = 2e-2  # batch vs alone: float rounding (and the rare code it flips)
+# (Observed: up to ~1e-2 on the tiny random models, whose logits span ~20.)
 
 
-def _alone(model, prompt, preset, n):
+def _alone(model, prompt, preset, n, prefill_step_size=2048):
     cache = make_prompt_cache(model, preset=preset)
     toks, logps = [], []
     for (t, lp), _ in zip(generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                        max_tokens=n), range(n)):
+                                        max_tokens=n, prefill_step_size=prefill_step_size),
+                          range(n)):
         toks.append(int(t))
         logps.append(np.array(lp))
     return toks, logps
@@ -53,20 +55,26 @@ def _batched(model, prompts, preset, n, **kwargs):
     return [toks[u] for u in uids], [logps[u] for u in uids]
 
 
-def _assert_rows_match(model, prompts, preset, n, batch_toks, batch_logps):
+def _assert_rows_match(model, prompts, preset, n, batch_toks, batch_logps,
+                       prefill_step_size=2048):
+    """Each row against its prompt alone: logits within ``LOGIT_ATOL``, the same greedy
+    tokens until a step where the alone run's top two logits are closer than twice
+    the logits' difference there (a near tie the rounding decides; the row stops)."""
     compared = 0
     for i, p in enumerate(prompts):
-        toks, logps = _alone(model, p, preset, n)
+        toks, logps = _alone(model, p, preset, n, prefill_step_size)
         assert len(batch_toks[i]) == n
         for s in range(n):
-            top2 = np.sort(logps[s])[-2:]
+            msg = f"row {i} (length {len(p)}) step {s}"
             np.testing.assert_allclose(batch_logps[i][s], logps[s], atol=LOGIT_ATOL, rtol=0,
-                                       err_msg=f"row {i} (length {len(p)}) step {s}")
-            if top2[1] - top2[0] < LOGIT_ATOL:
-                break  # a near tie: the rest of the row may differ
-            assert batch_toks[i][s] == toks[s], f"row {i} (length {len(p)}) step {s}"
+                                       err_msg=msg)
+            if batch_toks[i][s] != toks[s]:
+                top2 = np.sort(logps[s])[-2:]
+                diff = np.abs(batch_logps[i][s] - logps[s]).max()
+                assert top2[1] - top2[0] <= 2 * diff, msg
+                break
             compared += 1
-    assert compared >= n * len(prompts) // 2  # (the comparison did not stop early)
+    assert compared >= n * len(prompts) // 2  # (no row stopped early but by rare ties)
 
 
 def _prompts(lengths, seed=0):
@@ -89,7 +97,8 @@ def test_batch_generator_matches_alone(name, preset, lengths, n, kwargs):
     model = build_model(name)
     prompts = _prompts(lengths)
     toks, logps = _batched(model, prompts, preset, n, **kwargs)
-    _assert_rows_match(model, prompts, preset, n, toks, logps)
+    _assert_rows_match(model, prompts, preset, n, toks, logps,
+                       kwargs.get("prefill_step_size", 2048))
 
 
 def test_batch_generate_tokens_and_returned_caches():

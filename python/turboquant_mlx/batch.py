@@ -122,8 +122,9 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._sk = self._sv = None  # (B, H, S, D) sinks by position
         self._ns = [0] * len(self._pad)  # sinks held per row
         self._kc = self._ks = self._vc = self._vs = None  # column-indexed codes
-        self._W = 0  # compressed columns end (calibrated rows' codes valid below)
-        self._first = None  # per-row code ends after a right-padded block (finalize)
+        # Row b's compressed columns are [pad_b + S, cend_b) (empty before its
+        # calibration); its fp16 columns start at cend_b.
+        self._cend = [p + self.fp16_sink_tokens for p in self._pad]
         self._floor = 0  # trim never goes below this column
         no_levers = not self.center
         self._cal = [no_levers] * len(self._pad)
@@ -134,6 +135,11 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._arrays = None  # cached (left_padding, offset) arrays
 
     # -- mlx-lm's attributes ----------------------------------------------------------
+
+    @property
+    def _W(self) -> int:
+        """The compressed columns' end over all rows (the op's ``kv_len``)."""
+        return max(self._cend) if self._cend else 0
 
     @property
     def batch_size(self) -> int:
@@ -292,6 +298,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             if not self.empty():
                 raise ValueError(f"{_PREFIX} left padding can only be added to an empty cache.")
             self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
+            self._cend = [p + self.fp16_sink_tokens for p in self._pad]
             self._changed()
         if right_padding is not None and max(right_padding) > 0:
             self._settle()
@@ -310,7 +317,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._private = True
             # Each row's codes moved with it; its fp16 columns before d0 + shift are
             # what wrapped around (its right padding), so its codes stay as they are.
-            self._first = [self._W + r for r in self._rpad]
+            self._cend = [c + r for c, r in zip(self._cend, self._rpad)]
             self._floor = max(self._floor, self._d0 + max(self._rpad))
             self._dirty = True
             self._pad = [p + r for p, r in zip(self._pad, self._rpad)]
@@ -340,67 +347,112 @@ class BatchTurboQuantKVCache(_BaseCache):
             return
         self._dirty = False
         S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
-        B, d0, idx = len(self._pad), self._d0, self._idx
+        B, idx = len(self._pad), self._idx
         pad = self._pad
-        # Sinks: each row's first S real tokens.
-        want = [min(S, self._real(b)) for b in range(B)]
-        if any(w > n for w, n in zip(want, self._ns)):
-            s = mx.arange(S)
-            cols = mx.clip(mx.array(pad)[:, None] + s[None, :] - d0, 0, idx - d0 - 1)
-            cols = mx.broadcast_to(cols[:, None, :, None], self._sk.shape)
-            new = ((s[None, :] >= mx.array(self._ns)[:, None])
-                   & (s[None, :] < mx.array(want)[:, None]))[:, None, :, None]
-            self._sk = mx.where(new, mx.take_along_axis(self._dk, cols, axis=2), self._sk)
-            self._sv = mx.where(new, mx.take_along_axis(self._dv, cols, axis=2), self._sv)
-            self._ns = want
-        # Calibration of the rows that now hold calibration_tokens non-sink tokens.
-        first = self._first or [self._W] * B  # each row's codes are valid below this
-        self._first = None
-        fresh = [b for b in range(B) if not self._cal[b]
-                 and self._real(b) - S >= self.calibration_tokens]
-        if fresh:
-            mk, mv = [], []
-            for b in range(B):
-                if b in fresh:
-                    a = pad[b] + S - d0
-                    # (Contiguous, as the single cache reduces its held tokens.)
-                    k = mx.contiguous(self._dk[b : b + 1, :, a : idx - d0])
-                    v = mx.contiguous(self._dv[b : b + 1, :, a : idx - d0])
-                    mk.append(mx.mean(k.astype(mx.float32), axis=2, keepdims=True))
-                    mv.append(mx.mean(v.astype(mx.float32), axis=2, keepdims=True))
-                else:
-                    mk.append(self._mu_k[b : b + 1])
-                    mv.append(self._mu_v[b : b + 1])
-            self._mu_k = mx.concatenate(mk, axis=0)
-            self._mu_v = mx.concatenate(mv, axis=0)
-            for b in fresh:
-                self._cal[b] = True
-                first[b] = pad[b] + S
-            self._floor = idx  # (trim never goes back before a calibration)
-        # Quantize what left the window: columns [first_b, idx - R) of each calibrated
-        # row. Columns a row does not own (padding, sinks, not calibrated) take codes
-        # it never sees.
-        target = max(0, idx - R)
-        starts = [max(first[b], d0) for b in range(B) if self._cal[b]]
-        if starts and target > min(starts):
-            lo = min(starts)
-            if all(s == lo for s in starts):
-                self._quantize(lo, target)
+        self._capture_sinks([idx] * B)
+        self._calibrate_rows([idx] * B)
+        # What left the window is quantized: each calibrated row's columns up to
+        # idx - R (all of them without a window).
+        self._compress_to([max(pad[b] + S, idx - R) for b in range(B)])
+        self._update_need()
+
+    def _capture_sinks(self, ends: List[int]):
+        """Copies each row's first ``S`` real tokens (those before ``ends[b]``) into
+        the sinks."""
+        S, pad = self.fp16_sink_tokens, self._pad
+        want = [min(S, max(0, e - p)) for e, p in zip(ends, pad)]
+        if not any(w > n for w, n in zip(want, self._ns)):
+            return
+        d0, idx = self._d0, self._idx
+        s = mx.arange(S)
+        cols = mx.clip(mx.array(pad)[:, None] + s[None, :] - d0, 0, idx - d0 - 1)
+        cols = mx.broadcast_to(cols[:, None, :, None], self._sk.shape)
+        new = ((s[None, :] >= mx.array(self._ns)[:, None])
+               & (s[None, :] < mx.array(want)[:, None]))[:, None, :, None]
+        self._sk = mx.where(new, mx.take_along_axis(self._dk, cols, axis=2), self._sk)
+        self._sv = mx.where(new, mx.take_along_axis(self._dv, cols, axis=2), self._sv)
+        self._ns = [max(w, n) for w, n in zip(want, self._ns)]
+
+    def _prepare_block(self, L: int):
+        """Before a prompt block's attention, as the single cache at this call: a row
+        that now holds ``calibration_tokens`` non-sink tokens (the block's included)
+        calibrates, and the older tokens are seen as stored with the block in (those
+        it pushed out of the window compressed); the block itself is attended as it
+        arrived."""
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+        rp = self._rpad or [0] * len(self._pad)
+        ends = [self._idx - r for r in rp]
+        start = self._idx - L
+        self._capture_sinks(ends)
+        self._calibrate_rows(ends)
+        self._compress_to([max(p + S, min(e - R, start)) for p, e in zip(self._pad, ends)])
+
+    def _calibrate_rows(self, ends: List[int]):
+        """Calibrates the rows that hold ``calibration_tokens`` non-sink tokens before
+        column ``ends[b]``, from all of them (the single cache's rule)."""
+        S, d0 = self.fp16_sink_tokens, self._d0
+        pad = self._pad
+        fresh = [b for b in range(len(pad)) if not self._cal[b]
+                 and ends[b] - pad[b] - S >= self.calibration_tokens]
+        if not fresh:
+            return
+        mk, mv = [], []
+        for b in range(len(pad)):
+            if b in fresh:
+                a = pad[b] + S - d0
+                # (Contiguous, as the single cache reduces its held tokens.)
+                k = mx.contiguous(self._dk[b : b + 1, :, a : ends[b] - d0])
+                v = mx.contiguous(self._dv[b : b + 1, :, a : ends[b] - d0])
+                mk.append(mx.mean(k.astype(mx.float32), axis=2, keepdims=True))
+                mv.append(mx.mean(v.astype(mx.float32), axis=2, keepdims=True))
             else:
-                self._quantize_rows(lo, target, [max(first[b], d0) if self._cal[b] else lo
-                                                 for b in range(B)])
-        self._W = target
-        # The first column a row may still need in fp16: its sinks to come, its held
-        # tokens before calibration, its window and rollback columns after.
+                mk.append(self._mu_k[b : b + 1])
+                mv.append(self._mu_v[b : b + 1])
+        self._mu_k = mx.concatenate(mk, axis=0)
+        self._mu_v = mx.concatenate(mv, axis=0)
+        for b in fresh:
+            self._cal[b] = True
+        self._floor = self._idx  # (trim never goes back before a calibration)
+
+    def _compress_to(self, targets: List[int]):
+        """Quantizes each calibrated row's columns ``[cend_b, targets_b)`` and moves
+        its compressed end there. Columns a row does not own (its padding and sinks,
+        a row not calibrated) may take codes it never sees; a row's valid codes are
+        never written."""
+        S, d0 = self.fp16_sink_tokens, self._d0
+        B = len(self._pad)
+        work = [b for b in range(B) if self._cal[b] and targets[b] > self._cend[b]]
+        if not work:
+            return
+        lo = min(self._cend[b] for b in work)
+        hi = max(targets[b] for b in work)
+        # One append over [lo, hi) when it writes no row's valid codes: every row
+        # with work starts at lo, every other row's codes lie outside [lo, hi).
+        simple = all(self._cend[b] == lo for b in work) and all(
+            self._cend[b] <= lo or hi <= self._pad[b] + S
+            for b in range(B) if self._cal[b] and b not in work)
+        if lo < d0:
+            raise RuntimeError(f"{_PREFIX} internal: columns from {lo} are gone (first {d0}).")
+        if simple:
+            self._quantize(lo, hi)
+        else:
+            starts = [self._cend[b] if b in work else hi for b in range(B)]
+            ends = [targets[b] if b in work else hi for b in range(B)]
+            self._quantize_rows(lo, hi, starts, ends)
+        for b in work:
+            self._cend[b] = targets[b]
+
+    def _update_need(self):
+        """The first column a row may still need in fp16: its sinks to come, its held
+        tokens before calibration, its window and rollback columns after."""
+        S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
         need = []
-        for b in range(B):
+        for b, p in enumerate(self._pad):
             if self._ns[b] < S:
-                need.append(pad[b] + self._ns[b])
-            elif not self._cal[b]:
-                need.append(pad[b] + S)
+                need.append(p + self._ns[b])
             else:
-                need.append(max(pad[b] + S, idx - R - self.rollback_tokens))
-        self._dlo = max(d0, min(min(need), idx)) if need else idx
+                need.append(max(p + S, min(self._cend[b], self._idx - R - self.rollback_tokens)))
+        self._dlo = max(self._d0, min(min(need), self._idx)) if need else self._idx
 
     def _quantize(self, start: int, end: int):
         """Quantizes fp16 columns ``[start, end)`` of every row into the codes."""
@@ -425,9 +477,9 @@ class BatchTurboQuantKVCache(_BaseCache):
                 rotation_signs=v_signs, mean=self._mu_v)
             self._private = True
 
-    def _quantize_rows(self, lo: int, end: int, starts: List[int]):
-        """Quantizes columns ``[starts_b, end)`` of each row ``b`` (``lo = min starts``),
-        keeping the codes below ``starts_b``: after a calibration or a right-padded
+    def _quantize_rows(self, lo: int, end: int, starts: List[int], ends: List[int]):
+        """Quantizes columns ``[starts_b, ends_b)`` of each row ``b`` (within ``[lo,
+        end)``) and keeps every other code: after a calibration or a right-padded
         block the rows' valid codes end at different columns."""
         self._ensure_codes(end)
         n, d0 = end - lo, self._d0
@@ -443,8 +495,9 @@ class BatchTurboQuantKVCache(_BaseCache):
             mx.zeros((B, H, n, wv), mx.uint32), mx.zeros((B, H, n), mx.float16), v,
             self._v_centroids, 0, self.value_bits,
             rotation_signs=self._signs if self.rotate_values else None, mean=self._mu_v)
-        keep = mx.arange(lo, end)[None, :] >= mx.array(starts)[:, None]  # (B, n)
-        keep = keep[:, None, :]
+        cols = mx.arange(lo, end)[None, :]
+        keep = (cols >= mx.array(starts)[:, None]) & (cols < mx.array(ends)[:, None])
+        keep = keep[:, None, :]  # (B, 1, n)
         for name, new in (("_kc", kc), ("_ks", ks), ("_vc", vc), ("_vs", vs)):
             buf = getattr(self, name)
             k_ = keep if new.ndim == 3 else keep[..., None]
@@ -455,20 +508,14 @@ class BatchTurboQuantKVCache(_BaseCache):
     # -- attention --------------------------------------------------------------------
 
     def _comp_lo(self) -> List[int]:
-        """Each row's first compressed column (past ``W`` when it has none)."""
-        S = self.fp16_sink_tokens
-        return [p + S if c else self._W for p, c in zip(self._pad, self._cal)]
+        """Each row's first compressed column."""
+        return [p + self.fp16_sink_tokens for p in self._pad]
 
     def _dense_lo(self) -> List[int]:
-        """Each row's first column of the fp16 buffer that attention sees."""
+        """Each row's first column of the fp16 buffer that attention sees (its sinks
+        to come while it holds fewer than ``S`` of them, else its compressed end)."""
         S = self.fp16_sink_tokens
-        out = []
-        for p, n, c in zip(self._pad, self._ns, self._cal):
-            if n < S:
-                out.append(p + n)
-            else:
-                out.append(max(p + S, self._W) if c else p + S)
-        return out
+        return [p + n if n < S else c for p, n, c in zip(self._pad, self._ns, self._cend)]
 
     def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """Attention of ``queries`` ``(B, H_q, L, D)`` (the last ``L`` columns) over
@@ -493,6 +540,8 @@ class BatchTurboQuantKVCache(_BaseCache):
                 )
         if L == 1 and self._rpad is None:
             self._settle()  # a decode step sees the cache as stored
+        else:
+            self._prepare_block(L)
         if mask is None and sinks is None and L == 1 and self._rpad is None:
             out = self._attend_one_call(queries, scale)
             if out is not None:
@@ -517,11 +566,13 @@ class BatchTurboQuantKVCache(_BaseCache):
         )
 
     def _comp_mask(self, L: int, lo: List[int], mask=None):
-        """Bool ``(B, 1, L|1, W)``: row b's compressed columns ``[lo_b, W)``, or None
-        when every row sees all ``W``."""
-        if mask is None and all(x == 0 for x in lo):
+        """Bool ``(B, 1, 1, W)``: row b's compressed columns ``[lo_b, cend_b)``, or
+        None when every row sees all ``W``."""
+        W = self._W
+        if mask is None and all(x == 0 for x in lo) and all(c == W for c in self._cend):
             return None
-        keep = mx.arange(self._W)[None, :] >= mx.array(lo)[:, None]
+        cols = mx.arange(W)[None, :]
+        keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
         keep = keep[:, None, None, :]
         if mask is not None:
             keep = keep & mask[..., : self._W]
@@ -532,9 +583,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         with them as the tail (None where a row does not)."""
         S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
         W, idx, d0 = self._W, self._idx, self._d0
-        if (W == 0 or not all(self._cal) or any(n < S for n in self._ns)
-                or any(p + S > W for p in self._pad) or S + R > ops.MAX_TAIL_TOKENS
-                or self._kc is None or W != max(0, idx - R)):
+        if (W == 0 or self._kc is None or any(n < S for n in self._ns)
+                or any(c != idx - R for c in self._cend) or S + R > ops.MAX_TAIL_TOKENS):
             return None
         ks, vs = [], []
         if S:
@@ -554,7 +604,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         """``(out, lse)`` over the rows' compressed columns, or None (none visible)."""
         lo = self._comp_lo()
         W = self._W
-        if self._kc is None or W == 0 or min(lo) >= W:
+        seen = [b for b in range(len(lo)) if self._cend[b] > lo[b]]
+        if self._kc is None or not seen:
             return None
         L = queries.shape[2]
         if L <= self.decode_max_queries:
@@ -562,7 +613,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         # A prompt block over compressed history: the op takes at most 8 queries, so
         # the visible columns are decoded once (this layer's temporary, as the single
         # cache's prefill does) and attended densely.
-        a = min(lo)
+        a = min(lo[b] for b in seen)
         n = W - a
         yk = ops.dequantize(self._kc, self._ks, self._k_centroids, self.key_bits, a, n)
         yv = ops.dequantize(self._vc, self._vs, self._v_centroids, self.value_bits, a, n)
@@ -571,7 +622,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         if self.center:
             k = k + self._mu_k
             v = v + self._mu_v
-        keep = mx.arange(a, W)[None, :] >= mx.array(lo)[:, None]
+        cols = mx.arange(a, W)[None, :]
+        keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
         keep = keep[:, None, None, :]
         if mask is not None:
             keep = keep & mask[..., a:W]
@@ -594,8 +646,10 @@ class BatchTurboQuantKVCache(_BaseCache):
         k = self._dk[:, :, a - d0 : idx - d0]
         v = self._dv[:, :, a - d0 : idx - d0]
         if S and max(self._ns) > 0:
-            s_keep = (mx.arange(S)[None, :] < mx.array(self._ns)[:, None])[:, None, None, :]
-            s_keep = mx.broadcast_to(s_keep, (len(self._pad), 1, L, S))
+            s_cols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]  # (B, S)
+            s_keep = (mx.arange(S)[None, :] < mx.array(self._ns)[:, None])[:, None, :] & (
+                s_cols[:, None, :] <= q_cols[None, :, None])  # (B, L, S): causal
+            s_keep = s_keep[:, None]
             if mask is not None:
                 scols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]
                 scols = mx.minimum(scols, idx - 1)[:, None, None, :]
@@ -697,6 +751,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                 batch._vc[b : b + 1, :, a : a + nc] = vc
                 batch._vs[b : b + 1, :, a : a + nc] = vs
             batch._cal[b] = bool(c.calibrated)
+            batch._cend[b] = p + S + nc
             if mk.size:
                 batch._mu_k[b : b + 1] = mk
                 batch._mu_v[b : b + 1] = mv
@@ -704,7 +759,6 @@ class BatchTurboQuantKVCache(_BaseCache):
             if r is None:
                 batch._cal[b] = not batch.center  # (an empty row calibrates on its own)
         batch._dk, batch._dv = dk, dv
-        batch._W = max(0, n - R)
         batch._dlo = lo
         batch._floor = n  # (fp16 tokens before the merge are not all at hand)
         batch._dirty = True
@@ -723,7 +777,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         p, l, d0 = self._pad[b], self._real(b), self._d0
         ns = self._ns[b]
         cal = self._cal[b]
-        nc = max(0, self._W - (p + S)) if cal and ns == S else 0
+        nc = self._cend[b] - (p + S) if cal and ns == S else 0
 
         def rows(a, lo, hi):
             return mx.contiguous(a[b : b + 1, :, lo:hi])
@@ -771,6 +825,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._pad = [self._pad[i] for i in keep]
         self._ns = [self._ns[i] for i in keep]
         self._cal = [self._cal[i] for i in keep]
+        self._cend = [self._cend[i] for i in keep]
         if self._rpad is not None:
             self._rpad = [self._rpad[i] for i in keep]
         names = ("_dk", "_dv", "_sk", "_sv", "_kc", "_ks", "_vc", "_vs", "_mu_k", "_mu_v")
@@ -787,6 +842,7 @@ class BatchTurboQuantKVCache(_BaseCache):
 
     def _shift_left(self, m: int):
         self._pad = [p - m for p in self._pad]
+        self._cend = [c - m for c in self._cend]
         self._idx -= m
         if self._dk is not None:
             cut = max(0, m - self._d0)
@@ -798,7 +854,6 @@ class BatchTurboQuantKVCache(_BaseCache):
             if self._kc is not None:
                 self._kc, self._ks, self._vc, self._vs = (
                     a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs))
-            self._W = max(0, self._W - m)
             self._floor = max(0, self._floor - m)
             self._private = False
         self._changed()
@@ -819,6 +874,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._ns += other._ns
             self._cal += other._cal
             self._idx = idx
+            self._cend = [p + self.fp16_sink_tokens for p in self._pad]
             self._changed()
             return
         B1, B2 = len(self._pad), len(other._pad)
@@ -882,10 +938,11 @@ class BatchTurboQuantKVCache(_BaseCache):
             p + idx - other._idx for p in other._pad]
         self._ns = self._ns + other._ns
         self._cal = self._cal + other._cal
+        self._cend = [c + idx - self._idx for c in self._cend] + [
+            c + idx - other._idx for c in other._cend]
         self._idx = idx
         self._d0 = d0
         self._dlo = max(d0, dlo)
-        self._W = max(0, idx - self.fp16_recent_tokens)
         self._floor = max(c._floor + idx - c._idx for c in parts)
         self._private = True
         self._changed()
@@ -906,7 +963,9 @@ class BatchTurboQuantKVCache(_BaseCache):
         n = max(0, min([int(n)] + limit))
         if n:
             self._idx -= n
-            self._W = min(self._W, max(0, self._idx - self.fp16_recent_tokens))
+            S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
+            self._cend = [min(c, max(p + S, self._idx - R)) if cal else c
+                          for c, p, cal in zip(self._cend, self._pad, self._cal)]
             self._private = False
             self._changed()
         return n
