@@ -13,38 +13,45 @@ caches.
 
 Layout. The ``B`` rows share one axis of *columns* ``[0, idx)``; row ``b``'s tokens
 are left-padded, position ``p`` at column ``pad_b + p``. Per row, as in the single
-cache: positions ``[0, S)`` are fp16 sinks, ``[S, S + c_b)`` compressed, the rest
-an fp16 window. Since every row ends at column ``idx``, the window (the last ``R``
-columns) is aligned across rows and the compressed segments all end at one column
-``W = idx - R``; they start at the rows' own columns ``pad_b + S``. So:
+cache: positions ``[0, S)`` are fp16 sinks, then the compressed tokens, then an fp16
+window of the last ``R``. Every row ends at column ``idx``, so the window (the last
+``R`` columns) is aligned across rows, and a calibrated row's compressed columns are
+``[pad_b + S, cend_b)`` with ``cend_b = idx - R`` after every decode step (rows differ
+only where they start, and in between a prompt block's rows and a calibration):
 
 * the compressed buffers are column-indexed ``(B, H_kv, capacity, words)``: one
-  ``quantize_append`` writes every row's leaving token, with per-row means;
-  columns a row does not own (its padding and sinks) hold codes it never sees;
+  ``quantize_append`` node writes every row's token that leaves the window, centered
+  by the row's own means; columns a row does not own (its padding and sinks, a row
+  not yet calibrated) hold codes it never sees;
 * the sinks live apart, ``(B, H_kv, S, D)`` by position (row ``b``'s first real
   tokens sit at different columns);
 * an fp16 column buffer holds the window (plus ``rollback_tokens`` columns for
   ``trim``) and, for a row not yet calibrated, every token it holds.
 
-Attention of a layer is one ``compressed_attention`` call over all rows, with a
-boolean mask ``(B, 1, L, W)`` that keeps row ``b``'s columns ``[pad_b + S, W)``;
-when every row holds its full sinks and window (the usual decode step), those are
-the op's tail and the call is the layer's whole attention. Otherwise the fp16 part
-is a masked dense attention over the sinks and the fp16 columns, merged with the
-compressed part by log-sum-exp. Padding never reaches attention, the calibration
-means or the sinks.
+A layer's decode step is one ``compressed_attention`` call over all rows, with a
+boolean mask ``(B, 1, 1, W)`` that keeps row ``b``'s columns ``[pad_b + S, cend_b)``
+(``W = max cend``) and the sinks and window as the op's tail, when every row holds
+its full sinks and window. Otherwise (short rows, rows not yet calibrated, prompt
+blocks) the fp16 part is a masked dense attention over the sinks and the fp16
+columns each row sees, merged with the op's compressed part by log-sum-exp. A prompt
+block of more than 8 queries over compressed tokens decodes those columns once (the
+layer's temporary, as the single cache's prefill does). Padding never reaches
+attention, the calibration means or the sinks.
 
 Each row follows the single cache's rules on its own tokens: it calibrates
-(``center``) when it holds ``calibration_tokens`` non-sink tokens, from every
-non-sink token it holds; a decode step sees the cache as stored; the queries of a
-prompt block see the block as it arrived and older tokens as stored. A row of a
-prompt block that brings at most ``decode_max_queries`` tokens to a calibrated
-cache is answered as a prompt block here, where the single cache answers it as
-single-token steps (it sees some of the block quantized): that happens only with
-history (a cache merged with tokens in it, a prompt longer than the prefill step).
+(``center``) at the first attention call that finds ``calibration_tokens`` non-sink
+tokens, from all of them; a decode step sees the cache as stored; the queries of a
+prompt block see the block as it arrived and older tokens as stored with the block
+in. Where the single cache answers a block of at most ``decode_max_queries`` tokens
+as single-token steps instead, a row of a batch prompt block answers it as a prompt
+block (the block in fp16): this differs only for a row whose cache holds compressed
+tokens before the block (a prompt longer than the prefill step ending in a short
+chunk, a cache merged with history) or, with ``R = 0`` and no levers (``tq4-plain``,
+``tq4-sink``), for short prompts, whose tokens the single cache already reads
+quantized.
 
 Not supported (refused by ``merge``): ``query_aware_keys`` (preset ``k3v3``), head
-dims the kernels do not rotate themselves (not a power of two, or padded).
+dims the kernels do not rotate themselves (not a power of two, or stored padded).
 """
 
 import copy
