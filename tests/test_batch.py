@@ -294,3 +294,39 @@ def test_batch_state_evaluates_and_deepcopy_does_not_share_writes():
     for b in range(2):
         for x, y in zip(_single_kv(twin.extract(b)), ref[b]):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("preset", ["tq4", "k4v3"])
+def test_batch_continues_caches_with_history(preset):
+    """Prompt caches that already hold a prefix (a prompt cache's reuse) merge with
+    their compressed tokens and continue as each would alone."""
+    model = build_model("llama")
+    prefixes = _prompts((50, 7, 150), seed=3)
+    suffixes = _prompts((12, 30, 10), seed=4)
+    n = 12
+    filled = []
+    for p in prefixes:
+        cache = make_prompt_cache(model, preset=preset)
+        model(mx.array(p)[None], cache=cache)
+        filled.append(cache)
+    gen = BatchGenerator(model, stop_tokens=None)
+    uids = gen.insert(suffixes, [n] * 3, caches=copy.deepcopy(filled))
+    toks = {u: [] for u in uids}
+    logps = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            toks[r.uid].append(r.token)
+            logps[r.uid].append(np.array(r.logprobs))
+    gen.close()
+    for i, u in enumerate(uids):
+        cache = copy.deepcopy(filled[i])
+        alone = [(int(t), np.array(lp)) for (t, lp), _ in zip(
+            generate_step(mx.array(suffixes[i]), model, prompt_cache=cache, max_tokens=n),
+            range(n))]
+        for s, (t, lp) in enumerate(alone):
+            msg = f"row {i} step {s}"
+            np.testing.assert_allclose(logps[u][s], lp, atol=LOGIT_ATOL, rtol=0, err_msg=msg)
+            if toks[u][s] != t:
+                top2 = np.sort(lp)[-2:]
+                assert top2[1] - top2[0] <= 2 * np.abs(logps[u][s] - lp).max(), msg
+                break
