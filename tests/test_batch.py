@@ -92,6 +92,9 @@ def _prompts(lengths, seed=0):
     ("qwen3_5", "tq4", (7, 34, 80), 40, {}),  # hybrid: ArraysCache layers batch as theirs
     ("qwen3_5", "k4v3", (12, 140), 20, {}),
     ("llama", "tq4-nowindow", (5, 40, 70), 40, {}),
+    # No window, no levers: short prompts are read quantized, as single steps read them.
+    ("llama", "tq4-plain", (5, 40, 70, 2), 20, {}),
+    ("qwen3_5", "tq4-sink", (7, 33, 80), 12, {}),
 ])
 def test_batch_generator_matches_alone(name, preset, lengths, n, kwargs):
     model = build_model(name)

@@ -42,13 +42,14 @@ Each row follows the single cache's rules on its own tokens: it calibrates
 (``center``) at the first attention call that finds ``calibration_tokens`` non-sink
 tokens, from all of them; a decode step sees the cache as stored; the queries of a
 prompt block see the block as it arrived and older tokens as stored with the block
-in. Where the single cache answers a block of at most ``decode_max_queries`` tokens
-as single-token steps instead, a row of a batch prompt block answers it as a prompt
-block (the block in fp16): this differs only for a row whose cache holds compressed
-tokens before the block (a prompt longer than the prefill step ending in a short
-chunk, a cache merged with history) or, with ``R = 0`` and no levers (``tq4-plain``,
-``tq4-sink``), for short prompts, whose tokens the single cache already reads
-quantized.
+in. Without a window, a calibrated row that brings at most ``decode_max_queries``
+tokens reads them quantized, causally, as the single cache's single-token steps do.
+With a window, the single cache answers such a short block as single-token steps
+(each query with its own window) where a row of a batch prompt block sees it as a
+prompt block: they differ only for a row whose cache holds compressed tokens before
+the block (a prompt longer than the prefill step ending in a short chunk, a cache
+merged with history), and, without a window but with ``center``, for a row that
+calibrates inside such a block.
 
 Not supported (refused by ``merge``): ``query_aware_keys`` (preset ``k3v3``), head
 dims the kernels do not rotate themselves (not a power of two, or stored padded).
@@ -390,9 +391,15 @@ class BatchTurboQuantKVCache(_BaseCache):
         rp = self._rpad or [0] * len(self._pad)
         ends = [self._idx - r for r in rp]
         start = self._idx - L
+        # Without a window, the single cache answers a block of at most
+        # decode_max_queries tokens as single-token steps, which read the block's
+        # tokens quantized too (a calibrated row's).
+        steps = [R == 0 and c and 0 < e - start <= self.decode_max_queries
+                 for c, e in zip(self._cal, ends)]
         self._capture_sinks(ends)
         self._calibrate_rows(ends)
-        self._compress_to([max(p + S, min(e - R, start)) for p, e in zip(self._pad, ends)])
+        self._compress_to([max(p + S, e if st else min(e - R, start))
+                           for p, e, st in zip(self._pad, ends, steps)])
 
     def _calibrate_rows(self, ends: List[int]):
         """Calibrates the rows that hold ``calibration_tokens`` non-sink tokens before
@@ -572,17 +579,22 @@ class BatchTurboQuantKVCache(_BaseCache):
             out_dtype=queries.dtype if final else None,
         )
 
-    def _comp_mask(self, L: int, lo: List[int], mask=None):
-        """Bool ``(B, 1, 1, W)``: row b's compressed columns ``[lo_b, cend_b)``, or
+    def _comp_mask(self, L: int, lo: List[int], mask=None, a: int = 0):
+        """Bool ``(B, 1, 1|L, W - a)``: row b's compressed columns ``[lo_b, cend_b)``
+        from column ``a`` (causal for a block: a row's block may be compressed), or
         None when every row sees all ``W``."""
         W = self._W
-        if mask is None and all(x == 0 for x in lo) and all(c == W for c in self._cend):
+        if (mask is None and L == 1 and all(x == 0 for x in lo)
+                and all(c == W for c in self._cend)):
             return None
-        cols = mx.arange(W)[None, :]
+        cols = mx.arange(a, W)[None, :]
         keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
         keep = keep[:, None, None, :]
+        if L > 1:
+            keep = keep & (cols[:, None, None, :]
+                           <= mx.arange(self._idx - L, self._idx)[None, None, :, None])
         if mask is not None:
-            keep = keep & mask[..., : self._W]
+            keep = keep & mask[..., a:W]
         return keep
 
     def _attend_one_call(self, queries, scale):
@@ -629,12 +641,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         if self.center:
             k = k + self._mu_k
             v = v + self._mu_v
-        cols = mx.arange(a, W)[None, :]
-        keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
-        keep = keep[:, None, None, :]
-        if mask is not None:
-            keep = keep & mask[..., a:W]
-        return dense_attention(queries, k, v, scale, keep)
+        return dense_attention(queries, k, v, scale, self._comp_mask(L, lo, mask, a))
 
     def _dense_part(self, queries, scale, mask):
         """``(out, lse)`` over the sinks and the fp16 columns each row sees."""
