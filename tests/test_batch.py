@@ -333,3 +333,38 @@ def test_batch_continues_caches_with_history(preset):
                 top2 = np.sort(lp)[-2:]
                 assert top2[1] - top2[0] <= 2 * np.abs(logps[u][s] - lp).max(), msg
                 break
+
+
+def test_left_padding_prepare_matches_singles():
+    """A batch prepared with left padding (mlx-lm's other way of batching prompts)
+    ignores the padded columns, whatever they hold."""
+    cfg = TQ4
+    lengths = (50, 20)
+    rng = np.random.default_rng(11)
+    L = max(lengths)
+    k = rng.standard_normal((2, 2, L, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 2, L, 64)).astype(np.float32)
+    k[1, :, : L - lengths[1]] = np.nan  # padding: never read, never quantized
+    batch = TurboQuantKVCache.merge([TurboQuantKVCache(**cfg) for _ in lengths])
+    batch.prepare(left_padding=[L - n for n in lengths])
+    batch.update_and_fetch(mx.array(k), mx.array(v))
+    q = rng.standard_normal((2, 4, L, 64)).astype(np.float32)
+    out = np.array(batch.attention(mx.array(q), 0.125, "causal"))
+    assert batch.offset.tolist() == list(lengths)
+    for b, n in enumerate(lengths):
+        c = TurboQuantKVCache(**cfg)
+        c.update_and_fetch(mx.array(k[b : b + 1, :, L - n :]), mx.array(v[b : b + 1, :, L - n :]))
+        one = np.array(c.attention(mx.array(q[b : b + 1, :, L - n :]), 0.125, "causal"))
+        np.testing.assert_allclose(out[b, :, L - n :], one[0], atol=2e-5, rtol=1e-4)
+    # Decode steps after it, against the same singles continued.
+    for b, n in enumerate(lengths):
+        for x, y in zip(_single_kv(batch.extract(b)), _single_kv(_single_like(cfg, k, v, b, n))):
+            np.testing.assert_array_equal(x, y)
+
+
+def _single_like(cfg, k, v, b, n):
+    c = TurboQuantKVCache(**cfg)
+    L = k.shape[2]
+    c.update_and_fetch(mx.array(k[b : b + 1, :, L - n :]), mx.array(v[b : b + 1, :, L - n :]))
+    c.attention(mx.zeros((1, 4, n, 64)), 0.125, "causal")
+    return c

@@ -70,6 +70,7 @@ from .rotation import Rotation
 __all__ = ["BatchTurboQuantKVCache"]
 
 _PREFIX = "[turboquant_mlx.batch]"
+_MASK_MEMO = {}  # the last decode step's compressed-column mask and its layout
 
 # The single cache's settings a batch keeps (all of them but the runtime ones).
 _SETTINGS = (
@@ -285,11 +286,14 @@ class BatchTurboQuantKVCache(_BaseCache):
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
         L = keys.shape[2]
-        if self._rpad is not None:
-            # Right padding is garbage: stored as zeros, so that nothing non-finite
-            # can reach the codec when those columns are quantized for other rows.
-            real = mx.array([L - r for r in self._rpad])[:, None, None, None]
-            keep = mx.arange(L)[None, None, :, None] < real
+        rp = self._rpad or [0] * B
+        if any(rp) or any(p > self._idx for p in self._pad):
+            # Padding is garbage: stored as zeros, so that nothing non-finite can reach
+            # the codec when those columns are quantized for other rows.
+            cols = mx.arange(self._idx, self._idx + L)[None, :]
+            keep = (cols >= mx.array(self._pad)[:, None]) & (
+                cols < mx.array([self._idx + L - r for r in rp])[:, None])
+            keep = keep[:, None, :, None]
             keys = mx.where(keep, keys, 0)
             values = mx.where(keep, values, 0)
         self._write_columns(keys, values)
@@ -587,6 +591,12 @@ class BatchTurboQuantKVCache(_BaseCache):
         if (mask is None and L == 1 and all(x == 0 for x in lo)
                 and all(c == W for c in self._cend)):
             return None
+        memo = None
+        if mask is None and L == 1 and a == 0:
+            # Every layer of a decode step has the same layout: one mask for all.
+            memo = (tuple(lo), tuple(self._cend))
+            if _MASK_MEMO.get("key") == memo:
+                return _MASK_MEMO["mask"]
         cols = mx.arange(a, W)[None, :]
         keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
         keep = keep[:, None, None, :]
@@ -595,6 +605,8 @@ class BatchTurboQuantKVCache(_BaseCache):
                            <= mx.arange(self._idx - L, self._idx)[None, None, :, None])
         if mask is not None:
             keep = keep & mask[..., a:W]
+        if memo is not None:
+            _MASK_MEMO.update(key=memo, mask=keep)
         return keep
 
     def _attend_one_call(self, queries, scale):
