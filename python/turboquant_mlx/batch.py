@@ -308,7 +308,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         cache) or ``right_padding`` (undone by :meth:`finalize`)."""
         if left_padding is not None:
             if not self.empty():
-                raise ValueError(f"{_PREFIX} left padding can only be added to an empty cache.")
+                raise ValueError(
+                    f"{_PREFIX} left padding can only be added to an empty cache.")
             self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
             self._cend = [p + self.fp16_sink_tokens for p in self._pad]
             self._changed()
@@ -469,7 +470,8 @@ class BatchTurboQuantKVCache(_BaseCache):
             if self._ns[b] < S:
                 need.append(p + self._ns[b])
             else:
-                need.append(max(p + S, min(self._cend[b], self._idx - R - self.rollback_tokens)))
+                window = self._idx - R - self.rollback_tokens
+                need.append(max(p + S, min(self._cend[b], window)))
         self._dlo = max(self._d0, min(min(need), self._idx)) if need else self._idx
 
     def _quantize(self, start: int, end: int):
@@ -700,7 +702,8 @@ class BatchTurboQuantKVCache(_BaseCache):
             raise ValueError(f"{_PREFIX} merge of no caches.")
         for c in caches:
             if not isinstance(c, single):
-                raise ValueError(f"{_PREFIX} merge takes TurboQuantKVCache, got {type(c).__name__}.")
+                raise ValueError(
+                    f"{_PREFIX} merge takes TurboQuantKVCache, got {type(c).__name__}.")
         settings = _settings_of(caches[0])
         for c in caches[1:]:
             if _settings_of(c) != settings:
@@ -711,7 +714,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         full = [c for c in caches if not c.empty()]
         dtypes = {c.window_dtype for c in full}
         if len(dtypes) > 1:
-            raise ValueError(f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
+            raise ValueError(
+                f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
         lengths = [c.size() for c in caches]
         n = max(lengths)
         batch = cls(settings, [n - l for l in lengths],
@@ -721,7 +725,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         ref = full[0]
         if ref.padded:
             raise ValueError(
-                f"{_PREFIX} head dim {ref.head_dim} (stored padded) is not supported in a batch."
+                f"{_PREFIX} head dim {ref.head_dim} (stored padded) is not supported in a "
+                "batch."
             )
         H = ref._batch_heads[1]
         for c in full:
@@ -734,55 +739,50 @@ class BatchTurboQuantKVCache(_BaseCache):
         batch._idx = n
         batch._init_storage(B, H, D, ref.window_dtype)
         S, R = batch.fp16_sink_tokens, batch.fp16_recent_tokens
-        rows = []
+        rows = {}  # row -> its single cache's content
         for b, c in enumerate(caches):
             if c.empty():
-                rows.append(None)
                 continue
-            arrays = c._state_arrays()
-            kc, ks, vc, vs, sk, sv, wk, wv, mk, mv = arrays[:10]
-            nc, ws, l = c._n_comp, c._win_start, c.offset
-            if c.calibrated and S + nc != max(S, min(l, l - R)) and l > S:
+            names = ("kc", "ks", "vc", "vs", "sk", "sv", "wk", "wv", "mk", "mv")
+            r = dict(zip(names, c._state_arrays()))
+            r.update(nc=c._n_comp, ws=c._win_start, calibrated=c.calibrated)
+            l = c.offset
+            if r["calibrated"] and l > S and S + r["nc"] != max(S, l - R):
                 raise ValueError(
-                    f"{_PREFIX} cache {b} holds {nc} compressed tokens of {l} (a trim beyond "
-                    "its rollback window): it cannot join a batch."
+                    f"{_PREFIX} cache {b} holds {r['nc']} compressed tokens of {l} (a trim "
+                    "beyond its rollback window): it cannot join a batch."
                 )
-            rows.append((c, kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, nc, ws, l))
+            rows[b] = r
         pads = batch._pad
-        starts = [pads[b] + r[12] for b, r in enumerate(rows) if r is not None and r[7].size]
+        starts = [pads[b] + r["ws"] for b, r in rows.items() if r["wk"].size]
         lo = min(starts) if starts else n
         cap = -(-(n - lo + batch.step) // batch.step) * batch.step
         dk = mx.zeros((B, H, cap, D), batch.window_dtype)
         dv = mx.zeros((B, H, cap, D), batch.window_dtype)
         batch._d0 = lo
-        if any(r is not None and r[11] for r in rows):
+        if any(r["nc"] for r in rows.values()):
             batch._ensure_codes(n)
-        for b, r in enumerate(rows):
-            if r is None:
-                continue
-            c, kc, ks, vc, vs, sk, sv, wk, wv, mk, mv, nc, ws, l = r
-            p = pads[b]
-            if wk.size:
-                dk[b : b + 1, :, p + ws - lo : n - lo] = wk
-                dv[b : b + 1, :, p + ws - lo : n - lo] = wv
-            if sk.size:
-                ns = sk.shape[2]
-                batch._sk[b : b + 1, :, :ns] = sk
-                batch._sv[b : b + 1, :, :ns] = sv
+        for b, r in rows.items():
+            p, nc = pads[b], r["nc"]
+            if r["wk"].size:
+                dk[b : b + 1, :, p + r["ws"] - lo : n - lo] = r["wk"]
+                dv[b : b + 1, :, p + r["ws"] - lo : n - lo] = r["wv"]
+            if r["sk"].size:
+                ns = r["sk"].shape[2]
+                batch._sk[b : b + 1, :, :ns] = r["sk"]
+                batch._sv[b : b + 1, :, :ns] = r["sv"]
                 batch._ns[b] = ns
             if nc:
                 a = p + S
-                batch._kc[b : b + 1, :, a : a + nc] = kc
-                batch._ks[b : b + 1, :, a : a + nc] = ks
-                batch._vc[b : b + 1, :, a : a + nc] = vc
-                batch._vs[b : b + 1, :, a : a + nc] = vs
-            batch._cal[b] = bool(c.calibrated)
+                for name in ("kc", "ks", "vc", "vs"):
+                    getattr(batch, "_" + name)[b : b + 1, :, a : a + nc] = r[name]
+            batch._cal[b] = bool(r["calibrated"])
             batch._cend[b] = p + S + nc
-            if mk.size:
-                batch._mu_k[b : b + 1] = mk
-                batch._mu_v[b : b + 1] = mv
-        for b, r in enumerate(rows):
-            if r is None:
+            if r["mk"].size:
+                batch._mu_k[b : b + 1] = r["mk"]
+                batch._mu_v[b : b + 1] = r["mv"]
+        for b in range(B):
+            if b not in rows:
                 batch._cal[b] = not batch.center  # (an empty row calibrates on its own)
         batch._dk, batch._dv = dk, dv
         batch._dlo = lo
@@ -811,7 +811,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         empty16 = mx.zeros((0,), mx.float16)
         comp = [empty16.astype(mx.uint32), empty16, empty16.astype(mx.uint32), empty16]
         if nc:
-            comp = [rows(a, p + S, p + S + nc) for a in (self._kc, self._ks, self._vc, self._vs)]
+            comp = [rows(a, p + S, p + S + nc)
+                    for a in (self._kc, self._ks, self._vc, self._vs)]
         sinks = [empty16, empty16]
         if ns:
             sinks = [rows(self._sk, 0, ns), rows(self._sv, 0, ns)]
@@ -914,14 +915,17 @@ class BatchTurboQuantKVCache(_BaseCache):
         ncap = -(-(idx - d0 + self.step) // self.step) * self.step
         ccap = -(-idx // self.step) * self.step if any_codes else 0
 
+        def no_codes(Bc):
+            return [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
+                    mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+
         def place(c, Bc):
             shift = idx - c._idx
             if c._dk is None:
                 z = mx.zeros((Bc, H, ncap, D), dtype)
                 dk = dv = z
                 sk = sv = mx.zeros((Bc, H, self.fp16_sink_tokens, D), dtype)
-                codes = [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
-                         mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+                codes = no_codes(Bc)
                 mu = [mx.zeros((Bc, H, 1, D), mx.float32)] * 2
                 return dk, dv, sk, sv, codes, mu
             a = c._d0 + shift - d0  # where its first fp16 column lands
@@ -941,8 +945,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             if c._kc is not None:
                 codes = [fit(x, shift, ccap) for x in (c._kc, c._ks, c._vc, c._vs)]
             else:
-                codes = [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
-                         mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+                codes = no_codes(Bc)
             mu = [c._mu_k, c._mu_v]
             return dk, dv, sk, sv, codes, mu
 
@@ -1034,7 +1037,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+            new.__dict__[key] = (value if isinstance(value, mx.Dtype)
+                                 else copy.deepcopy(value, memo))
         # A deep copy shares the arrays' buffers: neither may write them in place.
         self._private = new._private = False
         return new
