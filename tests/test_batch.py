@@ -282,21 +282,30 @@ def test_merge_refusals():
         TurboQuantKVCache.merge([c])
 
 
-def test_batch_state_evaluates_and_deepcopy_does_not_share_writes():
+def test_deepcopy_twins_decode_apart():
+    """A deep copy (mlx-lm's split of a prompt batch) shares the buffers: the two
+    batches then decode different tokens, each as its rows' single caches would."""
     singles = [_filled_single(TQ4, n, seed=40 + i) for i, n in enumerate((45, 80))]
+    refs = [copy.deepcopy(singles), copy.deepcopy(singles)]
     batch = TurboQuantKVCache.merge(singles)
     mx.eval(batch.state)
-    twin = copy.deepcopy(batch)
+    twins = [batch, copy.deepcopy(batch)]
     rng = np.random.default_rng(9)
-    ref = [_single_kv(twin.extract(b)) for b in range(2)]
-    for _ in range(40):  # moves tokens into the compressed columns of `batch` only
-        batch.update_and_fetch(mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
-                               mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32))
-        batch.attention(mx.array(rng.standard_normal((2, 4, 1, 64)), mx.float32), 0.125)
-    mx.eval(batch.state)
-    for b in range(2):
-        for x, y in zip(_single_kv(twin.extract(b)), ref[b]):
-            np.testing.assert_array_equal(x, y)
+    for _ in range(40):  # (tokens leave the window: both append compressed tokens)
+        for cache, ref in zip(twins, refs):
+            k = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+            v = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+            q = mx.array(rng.standard_normal((2, 4, 1, 64)), mx.float32)
+            cache.update_and_fetch(mx.array(k), mx.array(v))
+            cache.attention(q, 0.125)
+            for b, c in enumerate(ref):
+                c.update_and_fetch(mx.array(k[b : b + 1]), mx.array(v[b : b + 1]))
+                c.attention(q[b : b + 1], 0.125)
+        mx.eval(twins[0].state, twins[1].state)  # (interleaved writes, if shared)
+    for cache, ref in zip(twins, refs):
+        for b in range(2):
+            for x, y in zip(_single_kv(cache.extract(b)), _single_kv(ref[b])):
+                np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("preset", ["tq4", "k4v3"])

@@ -139,7 +139,10 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._cal = [no_levers] * len(self._pad)
         self._mu_k = self._mu_v = None  # (B, H, 1, D) float32 (zeros: not calibrated)
         self._dirty = False  # tokens arrived since the last _settle
-        self._private = True  # buffers this cache's alone (in-place writes allowed)
+        # Whether the codes / the fp16 buffers are this cache's alone, so that appends
+        # may write them in place (a deep copy shares them until filter or a rebuild).
+        self._private = True
+        self._dpriv = True
         self._head_dim = None
         self._arrays = None  # cached (left_padding, offset) arrays
 
@@ -208,7 +211,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         if self.center:
             self._mu_k = mx.zeros((B, H, 1, D), mx.float32)
             self._mu_v = mx.zeros((B, H, 1, D), mx.float32)
-        self._private = True
+        self._private = self._dpriv = True
 
     def _write_columns(self, keys, values):
         """Writes ``(B, H, L, D)`` at columns ``[idx, idx + L)`` of the fp16 buffer."""
@@ -225,14 +228,16 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._dk = mx.concatenate([self._dk[:, :, a : a + keep], pad], axis=2)
             self._dv = mx.concatenate([self._dv[:, :, a : a + keep], pad], axis=2)
             self._d0 = lo
-            self._private = True
+            self._dpriv = True
         j = self._idx - self._d0
-        if self._private:
+        if self._dpriv:
             # In place, one node: readers of the buffer look only at columns < idx.
             self._dk, self._dv = ops.write_tokens_kv(self._dk, self._dv, keys, values, j)
         else:
+            # (MLX copies a buffer that something else holds: then it is ours.)
             self._dk[:, :, j : j + L] = keys
             self._dv[:, :, j : j + L] = values
+            self._dpriv = True
 
     def _ensure_codes(self, needed: int):
         cap = 0 if self._kc is None else self._kc.shape[2]
@@ -327,7 +332,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             if self._kc is not None:
                 self._kc, self._ks, self._vc, self._vs = (
                     _roll_rows(a, shifts) for a in (self._kc, self._ks, self._vc, self._vs))
-            self._private = True
+            self._private = self._dpriv = True
             # Each row's codes moved with it; its fp16 columns before d0 + shift are
             # what wrapped around (its right padding), so its codes stay as they are.
             self._cend = [c + r for c, r in zip(self._cend, self._rpad)]
@@ -860,7 +865,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             a = getattr(self, name)
             if a is not None:
                 setattr(self, name, a[sel])
-        self._private = True
+        self._private = self._dpriv = True
         self._changed()
         # Columns that are padding in every remaining row go.
         m = min(self._pad) if self._pad else 0
@@ -882,7 +887,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                 self._kc, self._ks, self._vc, self._vs = (
                     a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs))
             self._floor = max(0, self._floor - m)
-            self._private = False
+            self._private = self._dpriv = False
         self._changed()
 
     def extend(self, other: "BatchTurboQuantKVCache"):
@@ -973,7 +978,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._d0 = d0
         self._dlo = max(d0, dlo)
         self._floor = max(c._floor + idx - c._idx for c in parts)
-        self._private = True
+        self._private = self._dpriv = True
         self._changed()
         self._dirty = True
         self._settle()
@@ -995,7 +1000,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
             self._cend = [min(c, max(p + S, self._idx - R)) if cal else c
                           for c, p, cal in zip(self._cend, self._pad, self._cal)]
-            self._private = False
+            self._private = self._dpriv = False
             self._changed()
         return n
 
@@ -1041,6 +1046,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                                  else copy.deepcopy(value, memo))
         # A deep copy shares the arrays' buffers: neither may write them in place.
         self._private = new._private = False
+        self._dpriv = new._dpriv = False
         return new
 
     def __repr__(self):
