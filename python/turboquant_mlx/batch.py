@@ -64,7 +64,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import codebook, ops
-from .attention import dense_attention, ensure_hook, merge_attention, register_cache_class
+from .attention import (
+    dense_attention, ensure_hook, merge_attention, register_cache_class,
+)
 from .rotation import Rotation
 
 __all__ = ["BatchTurboQuantKVCache"]
@@ -81,7 +83,7 @@ _SETTINGS = (
 
 
 def _single_class():
-    from .cache import TurboQuantKVCache
+    from .kv_cache import TurboQuantKVCache
 
     return TurboQuantKVCache
 
