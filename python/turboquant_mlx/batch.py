@@ -82,11 +82,6 @@ _SETTINGS = (
 )
 
 
-def _single_class():
-    from .kv_cache import TurboQuantKVCache
-
-    return TurboQuantKVCache
-
 
 def _settings_of(cache) -> dict:
     return {name: getattr(cache, name) for name in _SETTINGS}
@@ -147,6 +142,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         self._dpriv = True
         self._head_dim = None
         self._arrays = None  # cached (left_padding, offset) arrays
+        self._single = None  # the single caches' class (extract builds them; set by merge)
 
     # -- mlx-lm's attributes ----------------------------------------------------------
 
@@ -702,15 +698,18 @@ class BatchTurboQuantKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches) -> "BatchTurboQuantKVCache":
-        """One batch from single caches (left-padded to the longest)."""
-        single = _single_class()
+        """One batch from single caches (left-padded to the longest), all of one class
+        (:class:`~turboquant_mlx.cache.TurboQuantKVCache`, whose ``merge`` calls this;
+        :meth:`extract` gives caches of that class back)."""
         caches = list(caches)
         if not caches:
             raise ValueError(f"{_PREFIX} merge of no caches.")
+        single = type(caches[0])
         for c in caches:
-            if not isinstance(c, single):
+            if type(c) is not single or not hasattr(c, "_state_arrays"):
                 raise ValueError(
-                    f"{_PREFIX} merge takes TurboQuantKVCache, got {type(c).__name__}.")
+                    f"{_PREFIX} merge takes TurboQuantKVCache of one class, got "
+                    f"{type(c).__name__}.")
         settings = _settings_of(caches[0])
         for c in caches[1:]:
             if _settings_of(c) != settings:
@@ -727,6 +726,7 @@ class BatchTurboQuantKVCache(_BaseCache):
         n = max(lengths)
         batch = cls(settings, [n - l for l in lengths],
                     window_dtype=next(iter(dtypes)) if dtypes else caches[0].window_dtype)
+        batch._single = single
         if not full:
             return batch
         ref = full[0]
@@ -801,7 +801,7 @@ class BatchTurboQuantKVCache(_BaseCache):
     def extract(self, idx: int):
         """Row ``idx`` as a :class:`~turboquant_mlx.cache.TurboQuantKVCache`."""
         self._settle()
-        single = _single_class()(**self._settings)
+        single = self._single(**self._settings)
         b = int(idx)
         if self._dk is None or self._real(b) == 0:
             single.window_dtype = self.window_dtype
@@ -898,6 +898,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             raise ValueError(f"{_PREFIX} extend takes a batch of the same settings.")
         self._settle()
         other._settle()
+        self._single = self._single or other._single
         if self._rpad is not None or other._rpad is not None:
             raise ValueError(f"{_PREFIX} extend during a right-padded prompt block.")
         idx = max(self._idx, other._idx)
