@@ -377,3 +377,17 @@ def _single_like(cfg, k, v, b, n):
     c.update_and_fetch(mx.array(k[b : b + 1, :, L - n :]), mx.array(v[b : b + 1, :, L - n :]))
     c.attention(mx.zeros((1, 4, n, 64)), 0.125, "causal")
     return c
+
+
+def test_update_refuses_non_finite_tokens():
+    batch = TurboQuantKVCache.merge([_filled_single(TQ4, n, seed=50 + i)
+                                     for i, n in enumerate((40, 12))])
+    before = [_single_kv(batch.extract(b)) for b in range(2)]
+    k = np.zeros((2, 2, 1, 64), np.float32)
+    k[1, 0, 0, 3] = np.inf
+    with pytest.raises(ValueError, match="not finite"):
+        batch.update_and_fetch(mx.array(k), mx.zeros((2, 2, 1, 64)))
+    assert batch.offset.tolist() == [40, 12]
+    for b in range(2):
+        for x, y in zip(_single_kv(batch.extract(b)), before[b]):
+            np.testing.assert_array_equal(x, y)

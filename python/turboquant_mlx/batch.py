@@ -283,11 +283,8 @@ class BatchTurboQuantKVCache(_BaseCache):
         dtype = self.window_dtype
         if dtype is None:
             dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
-        if self._head_dim is None:
-            self._init_storage(B, keys.shape[1], keys.shape[3], dtype)
-        self._settle()  # (a prompt block's quantization, if no finalize came)
-        keys = keys.astype(self.window_dtype)
-        values = values.astype(self.window_dtype)
+        keys = keys.astype(dtype)
+        values = values.astype(dtype)
         L = keys.shape[2]
         rp = self._rpad or [0] * B
         if any(rp) or any(p > self._idx for p in self._pad):
@@ -299,11 +296,23 @@ class BatchTurboQuantKVCache(_BaseCache):
             keep = keep[:, None, :, None]
             keys = mx.where(keep, keys, 0)
             values = mx.where(keep, values, 0)
+        # As the single cache's check_finite="auto": every prompt block, and on the CPU
+        # (whose append kernels would refuse them later) every update, before anything
+        # changes.
+        if L > self.decode_max_queries or mx.default_device() == mx.cpu:
+            if not mx.all(mx.isfinite(keys) & mx.isfinite(values)).item():
+                raise ValueError(
+                    f"{_PREFIX} update_and_fetch refused: new keys or values are not finite "
+                    f"in the cache's {dtype} storage (NaN, Inf or out of range); the cache "
+                    "is unchanged."
+                )
+        if self._head_dim is None:
+            self._init_storage(B, keys.shape[1], keys.shape[3], dtype)
+        self._settle()  # (a prompt block's quantization, if no finalize came)
         self._write_columns(keys, values)
         self._idx += L
         self._changed()
         self._dirty = True
-        self._block = L
         return given
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
