@@ -92,7 +92,7 @@ def bench_attention(args, device):
             ta = timeit(lambda: affine_attention(qa, kq, vq, scale))
             row["affine4 g64"] = (ta, sum(t.nbytes for t in kq + vq))
             del kq, vq
-        del k16, v16
+        k16 = v16 = None  # drop the arrays (not del: the lambdas above name them)
         for kb, vb in args.bit_pairs:
             kc, ks, kcent = make_compressed(B, n_kv, ctx, D, kb, rot)
             vc, vs, vcent = make_compressed(B, n_kv, ctx, D, vb, rot)
@@ -106,7 +106,7 @@ def bench_attention(args, device):
 
             t = timeit(tq)
             row[f"TQ K{kb}V{vb}"] = (t, kc.nbytes + ks.nbytes + vc.nbytes + vs.nbytes)
-            del kc, ks, vc, vs
+            kc = ks = vc = vs = None
         rows.append(row)
         mx.clear_cache()
 
@@ -156,7 +156,7 @@ def bench_append(args, device):
         t = timeit(step, min_runs=50, min_seconds=0.5)
         base = base or t
         print(f"| {ctx // 1024}k | {t:.1f} | {t / base:.2f}x |")
-        del state
+        state = None
         mx.clear_cache()
 
 

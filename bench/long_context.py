@@ -275,7 +275,7 @@ def main(argv=None):
             if a.fill:
                 note += f", filled in {m['fill_s']:.1f} s"
             table.add(cells, record, note=note)
-        del model, prompt, drafts, after_warm_prompt
+        model = prompt = drafts = after_warm_prompt = None
         _long.free()
     table.finish()
     return 0

@@ -72,7 +72,7 @@ def step_graph(name, a):
         mx.eval(out, *stored)
     labels = re.findall(r'label ="([^"]+)"', text)
     # Constants of the state (e.g. empty sink arrays) are graph roots, not work.
-    return [l for l in labels if l != "Full"]
+    return [x for x in labels if x != "Full"]
 
 
 def main(argv=None):
@@ -89,8 +89,8 @@ def main(argv=None):
     print("|---|---:|---:|---|---:|")
     for name in a.caches.split(","):
         labels = step_graph(name.strip(), a)
-        work = [l for l in labels if l not in VIEWS and l != "Contiguous"]
-        views = [l for l in labels if l in VIEWS]
+        work = [x for x in labels if x not in VIEWS and x != "Contiguous"]
+        views = [x for x in labels if x in VIEWS]
         kinds = collections.Counter(work)
         detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
         print(f"| {name} | {len(work)} | {kinds.get('Concatenate', 0)} | {detail} | {len(views)} |")

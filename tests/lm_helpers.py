@@ -266,7 +266,7 @@ class DequantizedReferenceCache(_BaseCache):
         half = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
         k = np.array(keys.astype(half).astype(mx.float32))
         v = np.array(values.astype(half).astype(mx.float32))
-        cat = lambda a, b: b if a is None else np.concatenate([a, b], axis=2)
+        cat = lambda a, b: b if a is None else np.concatenate([a, b], axis=2)  # noqa: E731
         self.k, self.v = cat(self.k, k), cat(self.v, v)
         self.fresh_from = self.offset if keys.shape[2] > DECODE_MAX_QUERIES else None
         self.offset += keys.shape[2]

@@ -1173,7 +1173,7 @@ def test_presets_table():
 
 def test_factory_options():
     model = build_model("llama", num_hidden_layers=6)
-    types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]
+    types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]  # noqa: E731
     assert types_of(make_prompt_cache(model, "fp16")) == ["kv"] * 6
     assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
     assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
@@ -1212,7 +1212,7 @@ def test_layer_schedule():
     assert [c["value_bits"] for c in cfgs[15:29]] == [2] * 14 and cfgs[14]["value_bits"] == 4
     assert cfgs[29]["value_bits"] == 3 and cfgs[29]["center"] and cfgs[29]["fp16_sink_tokens"] == 4
     # bits: the average of the layers' own accounting
-    per = lambda vb: KVPreset("o", 4, vb, fp16_sink_tokens=4, center=True).bits_per_coordinate(64, 3072)
+    per = lambda vb: KVPreset("o", 4, vb, fp16_sink_tokens=4, center=True).bits_per_coordinate(64, 3072)  # noqa: E731
     want = (2 * 16 + 13 * per(4) + 14 * per(2) + per(3)) / 30
     assert p.bits_per_coordinate(64, 3072, num_layers=30) == pytest.approx(want)
     assert p.bits_per_coordinate(64, 3072) == pytest.approx(per(4))  # one compressed layer

@@ -19,7 +19,7 @@ def ncu_csv(report, *args):
     out = subprocess.run(
         ["ncu", "-i", report, "--csv", *args], capture_output=True, text=True, check=False
     ).stdout
-    lines = [l for l in out.splitlines() if l.startswith('"')]
+    lines = [line for line in out.splitlines() if line.startswith('"')]
     return list(csv.reader(io.StringIO("\n".join(lines))))
 
 

@@ -1,6 +1,6 @@
 """TurboQuant KV-cache compression for MLX."""
 
-from . import _ext
+from . import _ext  # noqa: F401  (fail at import when the extension is not built)
 
 __version__ = "0.1.0"
 
