@@ -19,10 +19,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 
-from turboquant_mlx import codebook
 from turboquant_mlx.batch import BatchTurboQuantKVCache
 from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
-from turboquant_mlx.rotation import Rotation
 
 from lm_helpers import build_model, make_tokenizer
 

@@ -57,7 +57,7 @@ dims the kernels do not rotate themselves (not a power of two, or stored padded)
 
 import copy
 import sys
-from typing import List, Optional
+from typing import List
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -733,7 +733,7 @@ class BatchTurboQuantKVCache(_BaseCache):
                 f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
         lengths = [c.size() for c in caches]
         n = max(lengths)
-        batch = cls(settings, [n - l for l in lengths],
+        batch = cls(settings, [n - m for m in lengths],
                     window_dtype=next(iter(dtypes)) if dtypes else caches[0].window_dtype)
         batch._single = single
         if not full:
@@ -762,10 +762,10 @@ class BatchTurboQuantKVCache(_BaseCache):
             names = ("kc", "ks", "vc", "vs", "sk", "sv", "wk", "wv", "mk", "mv")
             r = dict(zip(names, c._state_arrays()))
             r.update(nc=c._n_comp, ws=c._win_start, calibrated=c.calibrated)
-            l = c.offset
-            if r["calibrated"] and l > S and S + r["nc"] != max(S, l - R):
+            held = c.offset
+            if r["calibrated"] and held > S and S + r["nc"] != max(S, held - R):
                 raise ValueError(
-                    f"{_PREFIX} cache {b} holds {r['nc']} compressed tokens of {l} (a trim "
+                    f"{_PREFIX} cache {b} holds {r['nc']} compressed tokens of {held} (a trim "
                     "beyond its rollback window): it cannot join a batch."
                 )
             rows[b] = r
@@ -816,7 +816,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             single.window_dtype = self.window_dtype
             return single
         S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
-        p, l, d0 = self._pad[b], self._real(b), self._d0
+        p, held, d0 = self._pad[b], self._real(b), self._d0
         ns = self._ns[b]
         cal = self._cal[b]
         nc = self._cend[b] - (p + S) if cal and ns == S else 0
@@ -832,17 +832,17 @@ class BatchTurboQuantKVCache(_BaseCache):
         sinks = [empty16, empty16]
         if ns:
             sinks = [rows(self._sk, 0, ns), rows(self._sv, 0, ns)]
-        if l <= S:
+        if held <= S:
             ws = S
         elif cal and R == 0:
-            ws = l
+            ws = held
         elif cal:
-            ws = max(S, l - R - self.rollback_tokens, d0 - p, self._dlo - p)
+            ws = max(S, held - R - self.rollback_tokens, d0 - p, self._dlo - p)
             ws = min(ws, S + nc)
         else:
             ws = S
         window = [empty16, empty16]
-        if ws < l:
+        if ws < held:
             window = [rows(self._dk, p + ws - d0, self._idx - d0),
                       rows(self._dv, p + ws - d0, self._idx - d0)]
         levers = [mx.zeros((0,), mx.float32)] * 4
@@ -850,7 +850,7 @@ class BatchTurboQuantKVCache(_BaseCache):
             levers[0] = mx.array(self._mu_k[b : b + 1])
             levers[1] = mx.array(self._mu_v[b : b + 1])
         # The single cache's configuration for this row (format of its state).
-        single.offset = l
+        single.offset = held
         single._n_comp = nc
         single._win_start = ws
         single._calibrated = cal
