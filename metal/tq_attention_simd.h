@@ -37,10 +37,11 @@
 /// Shape of tq_attention_simd_impl for head dim D (64, 128 or 256).
 template <int D>
 struct TQAttnSimdConfig {
-  static constexpr int ROWS = 8; // query rows per threadgroup: one fragment's rows
-  static constexpr int TILE = 8; // tokens per simdgroup and step: one fragment's columns
+  static constexpr int ROWS = TQ_ATTN_SIMD_ROWS; // query rows per threadgroup
+  static constexpr int TILE = TQ_ATTN_SIMD_TILE; // tokens per simdgroup and step
   static constexpr int NSG = TQ_ATTN_SIMDGROUPS;
-  static constexpr int STEP = NSG * TILE; // tokens per threadgroup step
+  static constexpr int STEP = TQ_ATTN_SIMD_STEP; // tokens per threadgroup step
+  static_assert(ROWS == 8 && TILE == 8 && STEP == NSG * TILE, "one 8x8 fragment per step");
   static constexpr int KBLK = D / 8; // 8-wide blocks of the head dim
   // threadgroup floats: the two codebooks as half (16 floats), the query rows as half,
   // one tile of TILE tokens x D halves per simdgroup (staging of the float query rows
