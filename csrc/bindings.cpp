@@ -38,6 +38,10 @@ NB_MODULE(_ext, m) {
         "True when this build carries GPU kernels.");
   m.def("gpu_backend", &tq::gpu::backend_name,
         "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
+  m.def("_simdgroup_matrix_check", &tq::gpu::simdgroup_matrix_check, "a"_a, "b"_a, "c"_a,
+        "For tests: the CUDA build's emulation of Metal's simdgroup matrices run on 8x8 "
+        "row-major a, b, c (64 floats each); returns 8 x 64 floats (what the lanes held and "
+        "stored, see csrc/cuda/simdgroup_matrix_check.cu). Raises on other builds.");
 
   m.def(
       "quantize_append",

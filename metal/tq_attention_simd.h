@@ -91,6 +91,18 @@ TQ_FN void tq_simd_decode_quarter(
   }
 }
 
+/// The mask's term of a score (log2 units) at element `at`: -inf for a dropped key (a
+/// false bool), else the additive value times log2(e) (0 for a kept bool).
+TQ_FN float tq_simd_mask_term(const TQ_DEV uchar* mask, int kind, int64_t at) {
+  if (kind == 1) {
+    return mask[at] != 0 ? 0.0f : tq_neg_inf();
+  }
+  const float add = kind == 2 ? ((const TQ_DEV float*)mask)[at]
+      : kind == 3             ? tq_to_float(((const TQ_DEV tq_half*)mask)[at])
+                              : tq_to_float(((const TQ_DEV ushort*)mask)[at]);
+  return add * 1.4426950408889634f;
+}
+
 /// Attention of up to 8 query rows of one KV head over one split of the keys on
 /// simdgroup matrices; arguments, grid and outputs as tq_attention_impl (QT: half, or
 /// bfloat16 bits as ushort; float works too but is not instantiated).
@@ -198,8 +210,9 @@ TQ_FN void tq_attention_simd_impl(
   const TQ_DEV tq_half* ks = k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1];
   const TQ_DEV tq_uint* vc = v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1];
   const TQ_DEV tq_half* vs = v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1];
-  const int64_t kc_tok = p.kc_stride[2], ks_tok = p.ks_stride[2];
-  const int64_t vc_tok = p.vc_stride[2], vs_tok = p.vs_stride[2];
+  // token strides (one head's rows: < 2^31 elements, as in tq_attention_impl)
+  const int kc_tok = int(p.kc_stride[2]), ks_tok = int(p.ks_stride[2]);
+  const int vc_tok = int(p.vc_stride[2]), vs_tok = int(p.vs_stride[2]);
 
   const int fr = tq_frag_row(th.lane); // this lane's row of S, P and O
   const int fc = tq_frag_col(th.lane); // its first token of S and P (columns fc, fc + 1)
@@ -249,15 +262,10 @@ TQ_FN void tq_attention_simd_impl(
       const int tc = min(tok, t_end - 1);
       sc[i] = tq_to_float(s.thread_elements()[i]) * qup * tq_to_float(ks[tc * ks_tok]);
       vsc[i] = tq_to_float(vs[tc * vs_tok]);
-      bool keep = tok < t_end && tok <= clim;
       if (p.mask_kind != 0) { // uniform
-        bool mk;
-        const float add =
-            tq_mask_value(mask, p.mask_kind, mask_row + int64_t(tc) * p.mask_stride[3], mk);
-        keep = keep && mk;
-        sc[i] += add * 1.4426950408889634f;
+        sc[i] += tq_simd_mask_term(mask, p.mask_kind, mask_row + int64_t(tc) * p.mask_stride[3]);
       }
-      sc[i] = keep ? sc[i] : tq_neg_inf();
+      sc[i] = tok < t_end && tok <= clim ? sc[i] : tq_neg_inf();
     }
     float mx = tq_fmax(sc[0], sc[1]);
     mx = tq_fmax(mx, tq_shfl_xor(mx, 1)); // the four lanes of a row: lane bits 0 and 3

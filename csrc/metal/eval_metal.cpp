@@ -477,4 +477,14 @@ void dequantize(
       MTL::Size(TQ_DEQUANT_THREADS, 1, 1));
 }
 
+std::vector<float> simdgroup_matrix_check(
+    const std::vector<float>&,
+    const std::vector<float>&,
+    const std::vector<float>&) {
+  // (Metal runs simdgroup matrices natively; the emulation being tested is CUDA's.)
+  throw std::runtime_error(
+      "[turboquant_mlx._simdgroup_matrix_check] tests the CUDA build's emulation of "
+      "simdgroup matrices; this is the Metal build.");
+}
+
 } // namespace turboquant_mlx::gpu
