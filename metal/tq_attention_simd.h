@@ -76,7 +76,7 @@ TQ_FN void tq_simd_decode_quarter(
   tq_uint a[NA];
   TQ_UNROLL
   for (int i = 0; i < NA; ++i) {
-    a[i] = sh == 0u ? w[i] : tq_funnel_r(w[i], w[i + 1], sh);
+    a[i] = tq_funnel_r(w[i], w[i + 1], sh);
   }
   TQ_UNROLL
   for (int i = 0; i < N; ++i) {
@@ -242,7 +242,7 @@ TQ_FN void tq_attention_simd_impl(
 
     // S = Q . K^T
     simdgroup_matrix<float, 8, 8> s = simdgroup_matrix<float, 8, 8>(0.0f);
-    TQ_UNROLL
+    TQ_NO_UNROLL // (s is the only accumulator: unrolled, the loop only holds more registers)
     for (int kb = 0; kb < KBLK; ++kb) {
       simdgroup_matrix<tq_half, 8, 8> qm;
       simdgroup_matrix<tq_half, 8, 8> km;

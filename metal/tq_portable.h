@@ -28,6 +28,7 @@ using namespace metal;
 #define TQ_THR thread
 #define TQ_FN inline __attribute__((always_inline))
 #define TQ_UNROLL _Pragma("clang loop unroll(full)")
+#define TQ_NO_UNROLL _Pragma("clang loop unroll(disable)")
 
 typedef half tq_half;
 typedef uint tq_uint;
@@ -45,6 +46,7 @@ typedef uint tq_uint;
 #define TQ_THR
 #define TQ_FN __device__ __forceinline__
 #define TQ_UNROLL _Pragma("unroll")
+#define TQ_NO_UNROLL _Pragma("unroll 1")
 
 typedef __half tq_half;
 typedef unsigned int tq_uint;
