@@ -11,7 +11,7 @@
 namespace turboquant_mlx::cuda_kernels {
 
 template <typename QT, int D, int KB, int VB>
-__global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_simd_kernel(
+__global__ void __launch_bounds__(TQ_ATTN_THREADS, 1) tq_attention_simd_kernel(
     const QT* __restrict__ q,
     const unsigned int* __restrict__ k_codes,
     const __half* __restrict__ k_scales,
