@@ -409,7 +409,8 @@ mx::array readable_codes(
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, a GPU
 /// with less shared memory per block than the kernel takes, or
-/// TURBOQUANT_CUDA_ATTENTION=simt.
+/// TURBOQUANT_CUDA_ATTENTION=simt (or =simd: the simdgroup-matrix kernel, see
+/// simd_kernel_for).
 const void* mma_kernel_for(
     const mx::array& q, int d, int kb, int vb, int nrb, int kv_len, int device) {
   if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
