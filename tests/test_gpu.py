@@ -656,9 +656,9 @@ def test_attention_half_queries(env_switch, head_dim, key_bits, value_bits, kern
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim,key_bits,value_bits", ((128, 4, 4), (64, 3, 2), (256, 4, 3)))
 def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, value_bits, kernel):
-    select_kernel(env_switch, kernel)
     # Cache views whose tokens are not adjacent in memory: the tensor-core kernel reads
     # dense rows, so the op hands it dense copies.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(head_dim + key_bits)
     for kv_len, group in ((40, 4), (1500, 8)):
         result = run_attention(
@@ -672,10 +672,10 @@ def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, val
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("scale_offset", (1, 3, 8))
 def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_offset, kernel):
-    select_kernel(env_switch, kernel)
     # K4V4's tensor-core kernel copies scales in 16-byte chunks from the boundary below
     # each iteration's first one: scale rows at any 2-byte offset, lengths that end
     # mid-chunk and mid-tile, one or several splits.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(head_dim + scale_offset)
     for kv_len, group in ((5, 4), (40, 4), (1500, 8), (4103, 4)):
         result = run_attention(
@@ -688,9 +688,9 @@ def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_off
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("q_offset", (1, 4))
 def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kernel):
-    select_kernel(env_switch, kernel)
     # The tensor-core kernel reads query rows in 16-byte loads; rows that do not start
     # on a 16-byte boundary are copied first.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(40 + q_offset)
     for q_dtype in (mx.float16, mx.bfloat16):
         result = run_attention(
@@ -703,10 +703,10 @@ def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kerne
 @pytest.mark.parametrize("fused", ("0", "1"))
 @pytest.mark.parametrize("splits", ("3", "36"))
 def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, splits, kernel):
-    select_kernel(env_switch, kernel)
     # TURBOQUANT_FUSED_MERGE=1: with 4-bit keys the tensor-core kernel's last block per
     # (batch, KV head, rows) merges the splits; 0 (the default) launches the merge kernel
     # after it. The tail goes through both.
+    select_kernel(env_switch, kernel)
     env_switch("TURBOQUANT_FUSED_MERGE", fused)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
@@ -745,9 +745,9 @@ def test_attention_half_queries_forced_splits(env_switch, splits, kernel):
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 def test_attention_half_queries_large_magnitude(env_switch, kernel):
-    select_kernel(env_switch, kernel)
     # bfloat16 queries beyond float16's range: the tensor-core kernel scales them down
     # by a power of two and the scores back up.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(77)
     k_words, k_scales, k_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
     v_words, v_scales, v_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
@@ -768,8 +768,8 @@ def test_attention_half_queries_large_magnitude(env_switch, kernel):
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
 def test_attention_forced_split_counts(env_switch, splits, kernel):
-    select_kernel(env_switch, kernel)
     # The split count is a tuning choice; every choice must give the same result.
+    select_kernel(env_switch, kernel)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(int(splits))
     q_dtype = query_dtype(kernel, int(splits))
