@@ -42,6 +42,10 @@ NB_MODULE(_ext, m) {
         "[in use, peak in use, held free] bytes of device memory the GPU backend allocates "
         "outside MLX's allocator (CUDA: outputs and temporaries of the ops), which "
         "mx.get_peak_memory does not see; reset_peak restarts the peak. Zeros elsewhere.");
+  m.def("_simdgroup_matrix_check", &tq::gpu::simdgroup_matrix_check, "a"_a, "b"_a, "c"_a,
+        "For tests: the CUDA build's emulation of Metal's simdgroup matrices run on 8x8 "
+        "row-major a, b, c (64 floats each); returns 8 x 64 floats (what the lanes held and "
+        "stored, see csrc/cuda/simdgroup_matrix_check.cu). Raises on other builds.");
 
   m.def(
       "quantize_append",

@@ -60,6 +60,15 @@ void dequantize(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 
+/// A test of the CUDA emulation of Metal's simdgroup matrices (metal/tq_portable.h):
+/// runs its operations on 8x8 row-major a, b, c (float32, 64 values each) in one warp
+/// and returns what the lanes held and stored (csrc/cuda/simdgroup_matrix_check.cu
+/// lists them). CUDA builds only: the other backends raise.
+std::vector<float> simdgroup_matrix_check(
+    const std::vector<float>& a,
+    const std::vector<float>& b,
+    const std::vector<float>& c);
+
 /// Arguments of the split-K merge over the query rows of `q` (B, Hq, L, D) with
 /// `splits` partials each, of the tail and the means when the attention op has them
 /// (`tail`, `means`: those inputs as the merge reads them), with the op's rotation (the

@@ -67,4 +67,13 @@ void dequantize(
   no_kernels("dequantize");
 }
 
+std::vector<float> simdgroup_matrix_check(
+    const std::vector<float>&,
+    const std::vector<float>&,
+    const std::vector<float>&) {
+  throw std::runtime_error(
+      "[turboquant_mlx._simdgroup_matrix_check] tests the CUDA build's emulation of "
+      "simdgroup matrices; this build has no CUDA kernels.");
+}
+
 } // namespace turboquant_mlx::gpu

@@ -11,6 +11,12 @@
 /// Threads of an attention threadgroup (4 simdgroups of 32).
 #define TQ_ATTN_SIMDGROUPS 4
 #define TQ_ATTN_THREADS (TQ_ATTN_SIMDGROUPS * 32)
+/// The simdgroup-matrix attention kernel (tq_attention_simd.h): query rows per
+/// threadgroup (one 8x8 fragment's rows) and tokens per threadgroup step (a tile of 8 per
+/// simdgroup); same threadgroup size as the portable kernel.
+#define TQ_ATTN_SIMD_ROWS 8
+#define TQ_ATTN_SIMD_TILE 8
+#define TQ_ATTN_SIMD_STEP (TQ_ATTN_SIMDGROUPS * TQ_ATTN_SIMD_TILE)
 /// Threads of the split-K merge, quantize, dequantize and copy threadgroups.
 #define TQ_MERGE_THREADS 128
 #define TQ_QUANT_SIMDGROUPS 4

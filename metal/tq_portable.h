@@ -28,6 +28,7 @@ using namespace metal;
 #define TQ_THR thread
 #define TQ_FN inline __attribute__((always_inline))
 #define TQ_UNROLL _Pragma("clang loop unroll(full)")
+#define TQ_NO_UNROLL _Pragma("clang loop unroll(disable)")
 
 typedef half tq_half;
 typedef uint tq_uint;
@@ -45,6 +46,7 @@ typedef uint tq_uint;
 #define TQ_THR
 #define TQ_FN __device__ __forceinline__
 #define TQ_UNROLL _Pragma("unroll")
+#define TQ_NO_UNROLL _Pragma("unroll 1")
 
 typedef __half tq_half;
 typedef unsigned int tq_uint;
@@ -282,3 +284,160 @@ TQ_FN uint4 tq_load_u4(const TQ_DEV tq_uint* p) {
   return *reinterpret_cast<const uint4*>(p);
 #endif
 }
+
+// ------------------------------------------------------------------ simdgroup matrices
+
+// 8x8 matrices spread over the 32 lanes of a simdgroup (metal::simdgroup_matrix), for the
+// kernels that multiply on them (tq_attention_simd.h). Metal provides the type and
+// simdgroup_load / simdgroup_store / simdgroup_multiply_accumulate / thread_elements();
+// the CUDA build emulates exactly those, with Metal's per-lane layout (the one MLX's
+// steel kernels rely on, mlx/backend/metal/kernels/steel/attn/mma.h, get_coord): lane l
+// holds row tq_frag_row(l), columns tq_frag_col(l) and tq_frag_col(l) + 1, as
+// thread_elements()[0] and [1]. The emulation is correct, not fast (shuffles, one
+// product per step). All of them are simdgroup-wide: uniform control flow only.
+// TQ_ORIGIN0: the matrix origin argument (0, 0) of simdgroup_load / simdgroup_store.
+
+/// Row of a lane's two elements of an 8x8 simdgroup matrix.
+TQ_FN int tq_frag_row(tq_uint lane) {
+  return int(((lane >> 4) & 1u) * 4u + ((lane >> 1) & 3u));
+}
+/// First of the two columns of a lane's elements (the other is this + 1).
+TQ_FN int tq_frag_col(tq_uint lane) {
+  return int(((lane >> 3) & 1u) * 4u + (lane & 1u) * 2u);
+}
+
+#if defined(TQ_METAL)
+
+#define TQ_ORIGIN0 ulong2(0)
+
+#else
+
+#define TQ_ORIGIN0 make_ulong2(0, 0)
+
+/// The lane that holds element (row, col) (the inverse of tq_frag_row / tq_frag_col).
+TQ_FN unsigned int tq_frag_lane(int row, int col) {
+  return unsigned(((col >> 1) & 1) | ((row & 3) << 1) | (((col >> 2) & 1) << 3) | (((row >> 2) & 1) << 4));
+}
+
+TQ_FN unsigned int tq_lane_id() {
+  unsigned int l;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+}
+
+TQ_FN float tq_elem_to_float(float x) {
+  return x;
+}
+TQ_FN float tq_elem_to_float(__half x) {
+  return __half2float(x);
+}
+template <typename T>
+TQ_FN T tq_elem_from_float(float x);
+template <>
+TQ_FN float tq_elem_from_float<float>(float x) {
+  return x;
+}
+template <>
+TQ_FN __half tq_elem_from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+/// A lane's two elements (metal::vec<T, 2> as thread_elements() hands it out).
+template <typename T>
+struct tq_frag2 {
+  T v[2];
+  TQ_FN T& operator[](int i) {
+    return v[i];
+  }
+  TQ_FN const T& operator[](int i) const {
+    return v[i];
+  }
+};
+
+/// metal::simdgroup_matrix<T, Cols, Rows> (8x8 only; T float or __half).
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "8x8 simdgroup matrices only");
+  tq_frag2<T> e;
+  simdgroup_matrix() = default;
+  /// The diagonal matrix with `diag` on its diagonal (Metal's scalar constructor).
+  TQ_FN explicit simdgroup_matrix(T diag) {
+    const unsigned int lane = tq_lane_id();
+    const int r = tq_frag_row(lane), c = tq_frag_col(lane);
+    e[0] = r == c ? diag : tq_elem_from_float<T>(0.0f);
+    e[1] = r == c + 1 ? diag : tq_elem_from_float<T>(0.0f);
+  }
+  TQ_FN tq_frag2<T>& thread_elements() {
+    return e;
+  }
+  TQ_FN const tq_frag2<T>& thread_elements() const {
+    return e;
+  }
+};
+
+/// d = the 8x8 block at `origin` (x: column, y: row) of the row-major matrix at src
+/// with `elements_per_row` elements per row, or its transpose.
+template <typename T, int C, int R>
+TQ_FN void simdgroup_load(
+    simdgroup_matrix<T, C, R>& d,
+    const T* src,
+    unsigned long elements_per_row = C,
+    ulong2 origin = make_ulong2(0, 0),
+    bool transpose = false) {
+  __syncwarp(); // what the lanes wrote before is visible to the whole simdgroup
+  const unsigned int lane = tq_lane_id();
+  const int r = tq_frag_row(lane), c = tq_frag_col(lane);
+  TQ_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const unsigned long mr = transpose ? c + i : r, mc = transpose ? r : c + i;
+    d.e[i] = src[(origin.y + mr) * elements_per_row + origin.x + mc];
+  }
+}
+
+/// Writes a (or its transpose) as the 8x8 block at `origin` of the row-major matrix at
+/// dst with `elements_per_row` elements per row.
+template <typename T, int C, int R>
+TQ_FN void simdgroup_store(
+    const simdgroup_matrix<T, C, R>& a,
+    T* dst,
+    unsigned long elements_per_row = C,
+    ulong2 origin = make_ulong2(0, 0),
+    bool transpose = false) {
+  const unsigned int lane = tq_lane_id();
+  const int r = tq_frag_row(lane), c = tq_frag_col(lane);
+  TQ_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const unsigned long mr = transpose ? c + i : r, mc = transpose ? r : c + i;
+    dst[(origin.y + mr) * elements_per_row + origin.x + mc] = a.e[i];
+  }
+  __syncwarp(); // the whole block is written before any lane reads it back
+}
+
+/// d = a * b + c, products and sums in float32 (d may be c).
+template <typename TD, typename TA, typename TB, typename TC>
+TQ_FN void simdgroup_multiply_accumulate(
+    simdgroup_matrix<TD, 8, 8>& d,
+    const simdgroup_matrix<TA, 8, 8>& a,
+    const simdgroup_matrix<TB, 8, 8>& b,
+    const simdgroup_matrix<TC, 8, 8>& c) {
+  const unsigned int lane = tq_lane_id();
+  const int r = tq_frag_row(lane), col = tq_frag_col(lane);
+  const float a0 = tq_elem_to_float(a.e[0]), a1 = tq_elem_to_float(a.e[1]);
+  float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll 1 // (a rolled loop: a kernel makes many of these products)
+  for (int k = 0; k < 8; ++k) {
+    // a[r][k] from the lane holding it (element k & 1, the same for every lane), and
+    // b[k][col], b[k][col + 1] (elements 0 and 1 of one lane).
+    const float ak = __shfl_sync(0xffffffffu, (k & 1) != 0 ? a1 : a0, tq_frag_lane(r, k));
+    const unsigned int bl = tq_frag_lane(k, col);
+    const float b0 = __shfl_sync(0xffffffffu, tq_elem_to_float(b.e[0]), bl);
+    const float b1 = __shfl_sync(0xffffffffu, tq_elem_to_float(b.e[1]), bl);
+    acc0 = fmaf(ak, b0, acc0);
+    acc1 = fmaf(ak, b1, acc1);
+  }
+  const float c0 = tq_elem_to_float(c.e[0]), c1 = tq_elem_to_float(c.e[1]);
+  d.e[0] = tq_elem_from_float<TD>(acc0 + c0);
+  d.e[1] = tq_elem_from_float<TD>(acc1 + c1);
+}
+
+#endif

@@ -1,12 +1,15 @@
 // Instantiations of the turboquant_mlx kernels (bodies in tq_kernels.h). Host code
 // (csrc/metal/eval_metal.cpp) builds the same names:
 //   tq_attention_<float32|float16|bfloat16>_d<D>_k<key bits>_v<value bits>
+//   tq_attention_simd_<float16|bfloat16>_d<64|128|256>_k<key bits>_v<value bits>
+//     (simdgroup matrices, tq_attention_simd.h: the fast path for half queries)
 //   tq_attention_merge_<float32|float16|bfloat16>_d<D>
 //   tq_quantize_<float32|float16|bfloat16>_d<D>_b<bits>
 //   tq_dequantize_<float32|float16|bfloat16>_b<bits>
 //   tq_copy_u32, tq_copy_u16
 // D runs over the head dims the kernels support: multiples of 32 from 32 to 256.
 
+#include "tq_attention_simd.h"
 #include "tq_kernels.h"
 
 #define TQ_INSTANTIATE(name, func, ...) \
@@ -68,3 +71,26 @@ TQ_DEQUANT_O(float16, half)
 TQ_DEQUANT_O(bfloat16, ushort)
 TQ_INSTANTIATE("tq_copy_u32", tq_copy, uint)
 TQ_INSTANTIATE("tq_copy_u16", tq_copy, ushort)
+
+// Simdgroup-matrix attention: float16 / bfloat16 queries, head dims 64, 128, 256.
+#define TQ_SIMD_ONE(qname, qtype, d, kb, vb) \
+  TQ_INSTANTIATE(                           \
+      "tq_attention_simd_" #qname "_d" #d "_k" #kb "_v" #vb, tq_attention_simd, qtype, d, kb, vb)
+
+#define TQ_SIMD_V(qname, qtype, d, kb) \
+  TQ_SIMD_ONE(qname, qtype, d, kb, 2)  \
+  TQ_SIMD_ONE(qname, qtype, d, kb, 3)  \
+  TQ_SIMD_ONE(qname, qtype, d, kb, 4)
+
+#define TQ_SIMD_K(qname, qtype, d) \
+  TQ_SIMD_V(qname, qtype, d, 2)    \
+  TQ_SIMD_V(qname, qtype, d, 3)    \
+  TQ_SIMD_V(qname, qtype, d, 4)
+
+#define TQ_SIMD_D(d)                \
+  TQ_SIMD_K(float16, half, d)       \
+  TQ_SIMD_K(bfloat16, ushort, d)
+
+TQ_SIMD_D(64)
+TQ_SIMD_D(128)
+TQ_SIMD_D(256)

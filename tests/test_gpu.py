@@ -7,9 +7,16 @@ Every test runs its op on the GPU stream and is skipped where MLX has no GPU or 
 build has no GPU kernels. Quantization must match the CPU backend bit for bit (same
 inputs, same arithmetic order); attention must match the float64 NumPy reference on the
 dequantized cache to float32 accuracy (float32 queries, and every query dtype on the
-portable kernel), or to half-precision accuracy on CUDA's tensor-core kernel (float16 /
-bfloat16 queries, see TENSOR_CORE_RTOL), over lengths that take the single-pass and the
-split-K paths.
+portable kernel), or to half-precision accuracy on CUDA's tensor-core kernel and on the
+simdgroup-matrix kernel (float16 / bfloat16 queries, see TENSOR_CORE_RTOL), over lengths
+that take the single-pass and the split-K paths.
+
+The simdgroup-matrix kernel (metal/tq_attention_simd.h) is Metal's path for float16 /
+bfloat16 queries at head dims 64, 128, 256; the CUDA build runs the same kernel body on
+its emulation of simdgroup matrices with TURBOQUANT_CUDA_ATTENTION=simd. Tests
+parametrized over ``kernel`` run their cases on it ("simd": the float32 cases with
+float16 / bfloat16 queries instead), on the portable kernel ("simt") and on the build's
+default choice.
 """
 
 import math
@@ -44,6 +51,24 @@ BIT_PAIRS = ((2, 2), (3, 3), (4, 4), (4, 2), (3, 4), (2, 4), (4, 3))
 
 def gpu():
     return mx.Device(mx.gpu)
+
+
+def select_kernel(env_switch, kernel):
+    """Selects the attention kernel of the ``kernel`` parameter: "simd" the
+    simdgroup-matrix kernel (CUDA: TURBOQUANT_CUDA_ATTENTION=simd; Metal's default),
+    "simt" the portable one (CUDA: TURBOQUANT_CUDA_ATTENTION=simt, Metal:
+    TURBOQUANT_METAL_ATTENTION=portable), "default" the build's own choice."""
+    if kernel == "simd":
+        env_switch("TURBOQUANT_CUDA_ATTENTION", "simd")
+    elif kernel == "simt":
+        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
+        env_switch("TURBOQUANT_METAL_ATTENTION", "portable")
+
+
+def query_dtype(kernel, case):
+    """float32 queries, or for the simdgroup-matrix kernel (which takes half queries)
+    float16 / bfloat16 by the parity of ``case``."""
+    return (mx.float16, mx.bfloat16)[case % 2] if kernel == "simd" else mx.float32
 
 
 def bits_of(a):
@@ -461,22 +486,30 @@ def assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-5):
     assert lse_err.size == 0 or lse_err.max() <= rtol, f"lse: error {lse_err.max():.3g}"
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("group", (1, 4, 8))
 @pytest.mark.parametrize("kv_len", (1, 17, 127, 4097, 70000))
-def test_attention_lengths_and_gqa(kv_len, group):
+def test_attention_lengths_and_gqa(env_switch, kv_len, group, kernel):
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(kv_len + group)
     for q_len in sorted({1, min(kv_len, 3), min(kv_len, 8)}):
+        q_dtype = query_dtype(kernel, q_len)
         result = run_attention(
-            rng, kv_len=kv_len, group=group, q_len=q_len, kv_heads=2 if kv_len > 5000 else 3
+            rng, kv_len=kv_len, group=group, q_len=q_len, kv_heads=2 if kv_len > 5000 else 3,
+            q_dtype=q_dtype,
         )
-        assert_attention_close(*result, rtol=2e-5 if kv_len > 5000 else 1e-5)
+        exact = 2e-5 if kv_len > 5000 else 1e-5
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4, exact))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("key_bits,value_bits", BIT_PAIRS)
-def test_attention_bit_widths_and_head_dims(key_bits, value_bits, head_dim):
+def test_attention_bit_widths_and_head_dims(env_switch, key_bits, value_bits, head_dim, kernel):
+    select_kernel(env_switch, kernel)
     case = BIT_PAIRS.index((key_bits, value_bits)) * len(HEAD_DIMS) + HEAD_DIMS.index(head_dim)
     rng = np.random.default_rng(case)
+    q_dtype = query_dtype(kernel, case)
     for kv_len in (127, 3000):
         result = run_attention(
             rng,
@@ -488,17 +521,22 @@ def test_attention_bit_widths_and_head_dims(key_bits, value_bits, head_dim):
             key_bits=key_bits,
             value_bits=value_bits,
             causal=case % 2 == 0,
+            q_dtype=q_dtype,
         )
-        assert_attention_close(*result)
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, key_bits, value_bits))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("q_len", range(1, 9))
-def test_attention_causal_q_len(q_len):
+def test_attention_causal_q_len(env_switch, q_len, kernel):
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(50 + q_len)
+    q_dtype = query_dtype(kernel, q_len)
     for kv_len in (q_len, 33, 2049):
         if kv_len < q_len:
             continue
-        assert_attention_close(*run_attention(rng, q_len=q_len, kv_len=kv_len, group=4))
+        result = run_attention(rng, q_len=q_len, kv_len=kv_len, group=4, q_dtype=q_dtype)
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
 
 
 MASKS = (
@@ -512,18 +550,25 @@ MASKS = (
 )
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
-def test_attention_masks(mask, causal):
+def test_attention_masks(env_switch, mask, causal, kernel):
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(hash(mask) % 1000 + causal)
+    q_dtype = query_dtype(kernel, MASKS.index(mask) + causal)
     for kv_len in (40, 3001):
         result = run_attention(
-            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=causal, head_dim=64
+            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=causal, head_dim=64,
+            q_dtype=q_dtype,
         )
-        assert_attention_close(*result)
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 64, 4, 4))
 
 
-def test_attention_fully_masked_rows():
+@pytest.mark.parametrize("kernel", ("default", "simd"))
+def test_attention_fully_masked_rows(env_switch, kernel):
+    select_kernel(env_switch, kernel)
+    q_dtype = query_dtype(kernel, 0)
     rng = np.random.default_rng(9)
     batch, kv_heads, group, q_len, kv_len, head_dim = 2, 2, 4, 3, 2500, 64
     q_heads = kv_heads * group
@@ -535,6 +580,7 @@ def test_attention_fully_masked_rows():
     k_words, k_scales, k_hat = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 4)
     v_words, v_scales, v_hat = reference_cache(rng, batch, kv_heads, kv_len, kv_len, head_dim, 3)
     q = mx.array(rng.standard_normal((batch, q_heads, q_len, head_dim)).astype(np.float32))
+    q = q.astype(q_dtype)
     out, lse = ops.compressed_attention(
         q,
         mx.array(k_words),
@@ -551,20 +597,21 @@ def test_attention_fully_masked_rows():
         mx.array(keep),
         stream=gpu(),
     )
-    ref_out, ref_lse = reference.attention(np.array(q), k_hat, v_hat, 0.125, kv_len, False, keep)
+    ref_out, ref_lse = reference.attention(to_np(q), k_hat, v_hat, 0.125, kv_len, False, keep)
     assert (ref_lse == -np.inf).any()
-    assert_attention_close(np.array(out), np.array(lse), ref_out, ref_lse, v_hat)
+    assert_attention_close(
+        np.array(out), np.array(lse), ref_out, ref_lse, v_hat, rtol=rtol_for(q_dtype, 64, 4, 3)
+    )
 
 
 def rtol_for(q_dtype, head_dim, key_bits, value_bits, exact=1e-5):
     return attention_rtol(q_dtype, head_dim, key_bits, value_bits, exact, device=mx.gpu)
 
 
-@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 def test_attention_query_dtypes(env_switch, q_dtype, kernel):
-    if kernel == "simt":
-        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(11)
     for kv_len in (50, 5000):
         result = run_attention(rng, q_len=4, kv_len=kv_len, q_dtype=q_dtype, group=8)
@@ -581,9 +628,11 @@ HALF_CASES = (
 )
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("key_bits,value_bits", ((4, 4), (4, 3), (4, 2), (3, 3), (3, 2), (2, 2), (3, 4)))
-def test_attention_half_queries(head_dim, key_bits, value_bits):
+def test_attention_half_queries(env_switch, head_dim, key_bits, value_bits, kernel):
+    select_kernel(env_switch, kernel)
     case = head_dim + 10 * key_bits + value_bits
     rng = np.random.default_rng(case)
     for i, (kv_len, group, q_len, causal) in enumerate(HALF_CASES):
@@ -604,10 +653,12 @@ def test_attention_half_queries(head_dim, key_bits, value_bits):
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, key_bits, value_bits))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim,key_bits,value_bits", ((128, 4, 4), (64, 3, 2), (256, 4, 3)))
-def test_attention_half_queries_gapped_cache(head_dim, key_bits, value_bits):
+def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, value_bits, kernel):
     # Cache views whose tokens are not adjacent in memory: the tensor-core kernel reads
     # dense rows, so the op hands it dense copies.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(head_dim + key_bits)
     for kv_len, group in ((40, 4), (1500, 8)):
         result = run_attention(
@@ -617,12 +668,14 @@ def test_attention_half_queries_gapped_cache(head_dim, key_bits, value_bits):
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, key_bits, value_bits))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("scale_offset", (1, 3, 8))
-def test_attention_half_queries_unaligned_scales(head_dim, scale_offset):
+def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_offset, kernel):
     # K4V4's tensor-core kernel copies scales in 16-byte chunks from the boundary below
     # each iteration's first one: scale rows at any 2-byte offset, lengths that end
     # mid-chunk and mid-tile, one or several splits.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(head_dim + scale_offset)
     for kv_len, group in ((5, 4), (40, 4), (1500, 8), (4103, 4)):
         result = run_attention(
@@ -632,10 +685,12 @@ def test_attention_half_queries_unaligned_scales(head_dim, scale_offset):
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("q_offset", (1, 4))
-def test_attention_half_queries_unaligned_query_rows(q_offset):
+def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kernel):
     # The tensor-core kernel reads query rows in 16-byte loads; rows that do not start
     # on a 16-byte boundary are copied first.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(40 + q_offset)
     for q_dtype in (mx.float16, mx.bfloat16):
         result = run_attention(
@@ -644,12 +699,14 @@ def test_attention_half_queries_unaligned_query_rows(q_offset):
         assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("fused", ("0", "1"))
 @pytest.mark.parametrize("splits", ("3", "36"))
-def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, splits):
+def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, splits, kernel):
     # TURBOQUANT_FUSED_MERGE=1: with 4-bit keys the tensor-core kernel's last block per
     # (batch, KV head, rows) merges the splits; 0 (the default) launches the merge kernel
     # after it. The tail goes through both.
+    select_kernel(env_switch, kernel)
     env_switch("TURBOQUANT_FUSED_MERGE", fused)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
@@ -661,8 +718,10 @@ def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, spli
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
-def test_attention_half_queries_masks(mask):
+def test_attention_half_queries_masks(env_switch, mask, kernel):
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(hash(mask) % 1000)
     for kv_len, head_dim in ((40, 64), (3001, 128)):
         result = run_attention(
@@ -672,8 +731,10 @@ def test_attention_half_queries_masks(mask):
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_half_queries_forced_splits(env_switch, splits):
+def test_attention_half_queries_forced_splits(env_switch, splits, kernel):
+    select_kernel(env_switch, kernel)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(100 + int(splits))
     for kv_len in (1, 130, 9000):
@@ -682,9 +743,11 @@ def test_attention_half_queries_forced_splits(env_switch, splits):
         assert_attention_close(*result, rtol=rtol_for(mx.bfloat16, 128, 4, 4))
 
 
-def test_attention_half_queries_large_magnitude():
+@pytest.mark.parametrize("kernel", ("default", "simd"))
+def test_attention_half_queries_large_magnitude(env_switch, kernel):
     # bfloat16 queries beyond float16's range: the tensor-core kernel scales them down
     # by a power of two and the scores back up.
+    select_kernel(env_switch, kernel)
     rng = np.random.default_rng(77)
     k_words, k_scales, k_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
     v_words, v_scales, v_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
@@ -702,23 +765,26 @@ def test_attention_half_queries_large_magnitude():
     assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_forced_split_counts(env_switch, splits):
+def test_attention_forced_split_counts(env_switch, splits, kernel):
     # The split count is a tuning choice; every choice must give the same result.
+    select_kernel(env_switch, kernel)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(int(splits))
+    q_dtype = query_dtype(kernel, int(splits))
     for kv_len in (1, 130, 9000):
         q_len = min(kv_len, 2)
-        assert_attention_close(*run_attention(rng, kv_len=kv_len, q_len=q_len, group=4))
+        result = run_attention(rng, kv_len=kv_len, q_len=q_len, group=4, q_dtype=q_dtype)
+        assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
 
 
 @pytest.mark.parametrize("splits", ("auto", "1", "3"))
-@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
     # The tail joins the split-K merge; one split must still write partials for it.
-    if kernel == "simt":
-        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
+    select_kernel(env_switch, kernel)
     if splits != "auto":
         env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + len(splits))
@@ -736,7 +802,7 @@ def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
 
 
 @pytest.mark.parametrize("splits", ("auto", "1"))
-@pytest.mark.parametrize("kernel", ("default", "simt"))
+@pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, splits):
@@ -744,8 +810,7 @@ def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, sp
     # query fragments, the portable one in its registers) and the merge rotates the
     # compressed tokens' output back, also with a single split; the tail is in model
     # space and joins after. Centered: the merge adds the means back.
-    if kernel == "simt":
-        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
+    select_kernel(env_switch, kernel)
     if splits != "auto":
         env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(head_dim + 7)
@@ -763,6 +828,57 @@ def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, sp
         err = np.abs(out - ref_out).max() / v_max
         assert err <= rtol, f"kv_len {kv_len}: out error {err:.3g} of max |v|"
         np.testing.assert_allclose(lse, ref_lse, rtol=rtol, atol=rtol)
+
+
+# ---------------------------------------------------------------------------
+# the CUDA emulation of Metal's simdgroup matrices (metal/tq_portable.h)
+
+
+def metal_lane_layout():
+    """Row and first column of the two elements each of the 32 lanes holds of an 8x8
+    simdgroup matrix, as Metal lays them out (MLX's steel/attn/mma.h, get_coord)."""
+    lane = np.arange(32)
+    qid = lane // 4
+    row = (qid & 4) + (lane // 2) % 4
+    col = (qid & 2) * 2 + (lane % 2) * 2
+    return row, col
+
+
+def held(m):
+    """What the lanes hold of the 8x8 matrix m: [lane][2] flattened."""
+    row, col = metal_lane_layout()
+    return np.stack([m[row, col], m[row, col + 1]], axis=1).ravel()
+
+
+def test_metal_lane_layout_covers_the_matrix_once():
+    row, col = metal_lane_layout()
+    cells = sorted(zip(np.r_[row, row].tolist(), np.r_[col, col + 1].tolist()))
+    assert cells == [(r, c) for r in range(8) for c in range(8)]
+
+
+@pytest.mark.skipif(_ext.gpu_backend() != "cuda", reason="emulation of the CUDA build")
+def test_simdgroup_matrix_emulation():
+    # One warp runs load (plain, transposed, half, at an origin of a wider matrix),
+    # multiply-accumulate (float and half inputs) and store (plain, transposed), and
+    # the diagonal constructor; every lane's elements must be those of Metal's layout.
+    rng = np.random.default_rng(28)
+    a, b, c = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
+    got = np.array(_ext._simdgroup_matrix_check(a.ravel().tolist(), b.ravel().tolist(),
+                                                c.ravel().tolist()), np.float32).reshape(8, 64)
+    a16 = a.astype(np.float16).astype(np.float32)
+    b16 = b.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got[0], held(a))
+    np.testing.assert_array_equal(got[1], held(a.T))
+    np.testing.assert_array_equal(got[2], held(a16))
+    np.testing.assert_array_equal(got[3], held(b))
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(got[4].reshape(8, 8), want, rtol=0, atol=1e-5)
+    want16 = a16.astype(np.float64) @ b16.astype(np.float64) + c
+    np.testing.assert_allclose(got[5].reshape(8, 8), want16, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[6].reshape(8, 8), want.T, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(got[7].reshape(8, 8), 2.5 * np.eye(8, dtype=np.float32))
+    with pytest.raises(ValueError, match="_simdgroup_matrix_check"):
+        _ext._simdgroup_matrix_check([1.0], b.ravel().tolist(), c.ravel().tolist())
 
 
 def test_attention_matches_cpu_op():

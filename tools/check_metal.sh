@@ -15,6 +15,24 @@ if [ -z "$checker" ]; then
   echo "check_metal: msl_check.py not found (set MSL_CHECK=/path/to/msl_check.py)" >&2
   exit 2
 fi
+# The shim declares simdgroup_matrix::thread_elements() as returning the lane's two
+# elements by value; Metal returns a reference to them (MLX's steel kernels assign
+# through it, as tq_attention_simd.h does). The check runs on a copy of msl-check whose
+# shim says so; every other declaration is the shim's own.
+shim_decl='vec<T, 2> thread_elements() const;'
+if grep -qF "$shim_decl" "$(dirname "$checker")/msl_shim.h"; then
+  patched="$(mktemp -d)"
+  trap 'rm -rf "$patched"' EXIT
+  cp -r "$(dirname "$checker")/." "$patched/"
+  python3 - "$patched/msl_shim.h" "$shim_decl" <<'PY'
+import sys
+path, old = sys.argv[1], sys.argv[2]
+text = open(path).read()
+new = "thread vec<T, 2>& thread_elements(); thread const vec<T, 2>& thread_elements() const;"
+open(path, "w").write(text.replace(old, new))
+PY
+  checker="$patched/$(basename "$checker")"
+fi
 status=0
 shopt -s nullglob
 files=("$root"/metal/*.metal)

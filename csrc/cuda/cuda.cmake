@@ -23,6 +23,10 @@ set(_tq_cuda_sources
     ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d64.cu
     ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d128.cu
     ${CMAKE_CURRENT_LIST_DIR}/attention_mma_d256.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_simd_d64.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_simd_d128.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_simd_d256.cu
+    ${CMAKE_CURRENT_LIST_DIR}/simdgroup_matrix_check.cu
     ${CMAKE_CURRENT_LIST_DIR}/kernels_misc.cu)
 target_sources(turboquant_core PRIVATE ${_tq_cuda_sources})
 # Tuning builds: definitions for the tensor-core kernel's shape (see attention_mma.cuh),

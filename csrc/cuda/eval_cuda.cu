@@ -453,7 +453,8 @@ mx::array readable_codes(
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, a GPU
 /// with less shared memory per block than the kernel takes, or
-/// TURBOQUANT_CUDA_ATTENTION=simt.
+/// TURBOQUANT_CUDA_ATTENTION=simt (or =simd: the simdgroup-matrix kernel, see
+/// simd_kernel_for).
 const void* mma_kernel_for(
     const mx::array& q, int d, int kb, int vb, int nrb, int kv_len, int device) {
   if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
@@ -463,7 +464,8 @@ const void* mma_kernel_for(
   if (int64_t(kv_len) * d * std::max(kb, vb) / 8 > int64_t(UINT32_MAX)) {
     return nullptr;
   }
-  if (env_switch("TURBOQUANT_CUDA_ATTENTION") == "simt") {
+  const auto kernel = env_switch("TURBOQUANT_CUDA_ATTENTION");
+  if (kernel == "simt" || kernel == "simd") {
     return nullptr;
   }
   const void* k = nullptr;
@@ -477,6 +479,29 @@ const void* mma_kernel_for(
     return nullptr;
   }
   return k;
+}
+
+/// The simdgroup-matrix kernel (metal/tq_attention_simd.h, Metal's fast path, run here
+/// on the emulation of simdgroup matrices) for this call when
+/// TURBOQUANT_CUDA_ATTENTION=simd asks for it: float16 / bfloat16 queries at head dims
+/// 64, 128, 256 (any bit widths); else nullptr. A development option: it makes the GPU
+/// tests run that kernel's body; it is not fast.
+const void* simd_kernel_for(const mx::array& q, int d, int kb, int vb) {
+  if (env_switch("TURBOQUANT_CUDA_ATTENTION") != "simd") {
+    return nullptr;
+  }
+  const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
+      : q.dtype() == mx::bfloat16              ? ck::QType::BFloat16
+                                               : ck::QType::Float32;
+  if (qt == ck::QType::Float32) {
+    return nullptr;
+  }
+  switch (d) {
+    case 64: return ck::attention_simd_kernel_d64(kb, vb, qt);
+    case 128: return ck::attention_simd_kernel_d128(kb, vb, qt);
+    case 256: return ck::attention_simd_kernel_d256(kb, vb, qt);
+    default: return nullptr;
+  }
 }
 
 /// Splits of the keys so that at most `target` blocks (the resident ones) run, each
@@ -677,7 +702,15 @@ void attention(
   // per block.
   const int nrb = rows <= 8 || D > 128 ? 1 : 2;
   const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb, ap.kv_len, enc.device().cuda_device());
+  // TURBOQUANT_CUDA_ATTENTION=simd: the simdgroup-matrix kernel, with the SIMT kernel's
+  // arguments, threads and outputs (its rows and steps: TQ_ATTN_SIMD_ROWS / _STEP).
+  const void* simd_sym = simd_kernel_for(q, D, kb, vb);
   AttnShape sh = attn_shape(D);
+  if (simd_sym != nullptr) {
+    sh.RC = TQ_ATTN_SIMD_ROWS;
+    sh.STEP = TQ_ATTN_SIMD_STEP;
+    sh.DL = 0; // word loads only: no alignment beyond the words'
+  }
   ck::TQMmaShape msh{0, 0, 0, 0, false};
   if (mma_sym != nullptr) {
     msh = ck::attention_mma_shape(D, kb, vb, nrb);
@@ -762,7 +795,7 @@ void attention(
   p.partials = partials ? 1 : 0;
 
   const bool lo = D <= 128;
-  const void* sym = mma_sym; // else the SIMT kernel for the query dtype
+  const void* sym = mma_sym != nullptr ? mma_sym : simd_sym; // else the SIMT kernel
   if (sym == nullptr) {
     switch (q.dtype()) {
       case mx::float32:

@@ -142,6 +142,12 @@ const void* attention_kernel_f16_lo(int d, int kb, int vb);
 const void* attention_kernel_f16_hi(int d, int kb, int vb);
 const void* attention_kernel_bf16_lo(int d, int kb, int vb);
 const void* attention_kernel_bf16_hi(int d, int kb, int vb);
+/// The simdgroup-matrix attention kernel (metal/tq_attention_simd.h, see
+/// attention_simd.cuh) for head dim 64 / 128 / 256, float16 or bfloat16 queries; nullptr
+/// for other query types.
+const void* attention_simd_kernel_d64(int kb, int vb, QType q);
+const void* attention_simd_kernel_d128(int kb, int vb, QType q);
+const void* attention_simd_kernel_d256(int kb, int vb, QType q);
 /// The split-K merge for queries of type q, writing out as float32 or (out_in_q_type)
 /// in q's type.
 const void* attention_merge_kernel(int d, QType q, bool out_in_q_type = false);

@@ -79,6 +79,16 @@ AttnShape attn_shape(int d) {
   return s;
 }
 
+/// Whether the simdgroup-matrix kernel (metal/tq_attention_simd.h) runs this call:
+/// float16 / bfloat16 queries at head dims 64, 128, 256, unless
+/// TURBOQUANT_METAL_ATTENTION=portable asks for the portable kernel.
+bool simd_attention(mx::Dtype q, int d) {
+  if ((q != mx::float16 && q != mx::bfloat16) || (d != 64 && d != 128 && d != 256)) {
+    return false;
+  }
+  return env_switch("TURBOQUANT_METAL_ATTENTION") != "portable";
+}
+
 /// Whether a cache's code rows satisfy the kernel's vector loads: lanes that read 2 or
 /// 4 whole words need every row start 8 / 16-byte aligned.
 bool vector_aligned(const mx::array& codes, int dl, int bits) {
@@ -308,7 +318,12 @@ void attention(
   p.kv_len = ap.kv_len;
   p.gqa = Hq / Hkv;
   p.rows = p.gqa * L;
-  const int n_chunks = (p.rows + sh.RC - 1) / sh.RC;
+  // The simdgroup-matrix kernel takes up to 8 query rows per threadgroup (a fragment's
+  // rows: a GQA group at decode), the portable one sh.RC; both in steps of `step` keys.
+  const bool simd = simd_attention(q.dtype(), D);
+  const int chunk_rows = simd ? TQ_ATTN_SIMD_ROWS : sh.RC;
+  const int step = simd ? TQ_ATTN_SIMD_STEP : sh.STEP;
+  const int n_chunks = (p.rows + chunk_rows - 1) / chunk_rows;
   p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
   p.scale_log2 = ap.scale * 1.4426950408889634f;
   p.causal = ap.causal ? 1 : 0;
@@ -337,11 +352,11 @@ void attention(
   if (splits <= 0) {
     splits = (target + units - 1) / units;
   }
-  const int min_split = 2 * sh.STEP;
+  const int min_split = 2 * step;
   const int max_splits = std::max(1, (ap.kv_len + min_split - 1) / min_split);
   splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
   int split_len = (ap.kv_len + splits - 1) / splits;
-  split_len = std::max(sh.STEP, (split_len + sh.STEP - 1) / sh.STEP * sh.STEP);
+  split_len = std::max(step, (split_len + step - 1) / step * step);
   splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
   p.n_splits = splits;
   p.split_len = split_len;
@@ -361,8 +376,10 @@ void attention(
   }
 
   std::ostringstream name;
-  name << "tq_attention_" << type_name(q.dtype()) << "_d" << D << "_k" << ap.key_bits << "_v"
-       << ap.value_bits;
+  // The two kernels take the same arguments and write the same outputs: the choice is
+  // the name.
+  name << (simd ? "tq_attention_simd_" : "tq_attention_") << type_name(q.dtype()) << "_d" << D
+       << "_k" << ap.key_bits << "_v" << ap.value_bits;
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(get_kernel(d, name.str()));
   enc.set_input_array(q, 0);
@@ -462,6 +479,16 @@ void dequantize(
   enc.dispatch_threadgroups(
       MTL::Size((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS, 1, 1),
       MTL::Size(TQ_DEQUANT_THREADS, 1, 1));
+}
+
+std::vector<float> simdgroup_matrix_check(
+    const std::vector<float>&,
+    const std::vector<float>&,
+    const std::vector<float>&) {
+  // (Metal runs simdgroup matrices natively; the emulation being tested is CUDA's.)
+  throw std::runtime_error(
+      "[turboquant_mlx._simdgroup_matrix_check] tests the CUDA build's emulation of "
+      "simdgroup matrices; this is the Metal build.");
 }
 
 } // namespace turboquant_mlx::gpu

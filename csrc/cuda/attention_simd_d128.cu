@@ -1,0 +1,10 @@
+// Simdgroup-matrix attention kernels for head dim 128 (see attention_simd.cuh).
+#include "attention_simd.cuh"
+
+namespace turboquant_mlx::cuda_kernels {
+
+const void* attention_simd_kernel_d128(int kb, int vb, QType qt) {
+  return attention_simd_kernel_for<128>(kb, vb, qt);
+}
+
+} // namespace turboquant_mlx::cuda_kernels
