@@ -95,15 +95,12 @@ class Server:
             conn.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = _smollm2_path()
+def _start_server(log_path, *args):
     port = _free_port()
-    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            _server_command("--model", model, "--port", str(port), "--kv-preset", "tq4",
-                            "--max-tokens", str(MAX_TOKENS), "--log-level", "INFO"),
+            _server_command("--model", _smollm2_path(), "--port", str(port),
+                            "--max-tokens", str(MAX_TOKENS), "--log-level", "INFO", *args),
             stdout=log, stderr=subprocess.STDOUT, env=_env(),
         )
     srv = Server(proc, port, log_path)
@@ -115,19 +112,29 @@ def server(tmp_path_factory):
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/health")
             if conn.getresponse().status == 200:
-                break
+                return srv
         except OSError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the server did not answer within {STARTUP_S} s:\n{srv.log()}")
         time.sleep(0.3)
-    yield srv
-    proc.terminate()
+
+
+def _stop_server(srv):
+    srv.proc.terminate()
     try:
-        proc.wait(timeout=30)
+        srv.proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        srv.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = _start_server(str(tmp_path_factory.mktemp("server") / "server.log"),
+                        "--kv-preset", "tq4")
+    yield srv
+    _stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +357,30 @@ def test_compact_entry_keeps_attention_and_drops_the_rest():
         assert mx.array_equal(a, b)
         y = mx.argmax(a[:, -1:], axis=-1)
     assert all(e.offset == 155 for e in entry)  # the entry itself is unchanged
+
+
+def test_batched_path_with_mlx_lm_caches(tmp_path):
+    # --kv-preset fp16 keeps mlx-lm's own caches, which merge: the server batches
+    # (BatchGenerator with the caches made through this module, entries extracted from
+    # the batch), and a repeated prompt is served from the prompt cache.
+    srv = _start_server(str(tmp_path / "server.log"), "--kv-preset", "fp16")
+    try:
+        results = {}
+
+        def run(i):
+            results[i] = srv.request("/v1/chat/completions", _chat(["Say yes.", "Say no."][i]))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REQUEST_S)
+        assert all(results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"]
+                   for i in range(2)), results
+        status, body = srv.request("/v1/chat/completions", _chat("Say yes."))
+        assert status == 200
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 20
+        log = srv.log()
+        assert "requests are batched" in log and "0/30 layers compressed" in log, log[-3000:]
+    finally:
+        _stop_server(srv)

@@ -132,7 +132,7 @@ def _hooks(S, argv: Optional[List[str]]):
     from . import generate as G
     from .cache import make_prompt_cache
 
-    state = argparse.Namespace(args=None)
+    state = argparse.Namespace(args=None, batching=False)
 
     def make_cache(model, max_kv_size=None):
         # Same signature as mlx-lm's make_prompt_cache, the preset of the command line.
@@ -247,6 +247,7 @@ def _hooks(S, argv: Optional[List[str]]):
                     log += f"; requests are served one at a time ({why})"
                 else:
                     log += "; requests are batched"
+            state.batching = self.is_batchable
             limit = a.max_context if a.max_context is not None else _model_context(self.model)
             self.context_limit = limit or None
             log += f"; context limit: {self.context_limit or 'none'}"
@@ -271,6 +272,16 @@ def _hooks(S, argv: Optional[List[str]]):
 
         def fetch_nearest_cache(self, model, tokens):
             cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is not None and state.batching:
+                # A cache that cannot join a batch would end the generation thread
+                # (and every request after it): process the whole prompt instead.
+                why = _merge_error(cache)
+                if why is not None:
+                    logging.warning(
+                        f"Prompt cache: the entry for {len(tokens) - len(rest)} tokens cannot "
+                        f"join a batch ({why}); processing the whole prompt"
+                    )
+                    return None, tokens
             if cache is not None:
                 logging.info(
                     f"Prompt cache hit: {len(tokens) - len(rest)} of {len(tokens)} prompt "
