@@ -199,7 +199,8 @@ if platform.system() == "Darwin":
         machine["GPU cores"] = m.group(1)
     machine["macOS"] = f"{sh('sw_vers', '-productVersion')} ({sh('sw_vers', '-buildVersion')})"
     machine["Xcode / SDK"] = f"{sh('xcode-select', '-p')}, SDK {sh('xcrun', '--show-sdk-version')}"
-    machine["Metal compiler"] = sh("xcrun", "-sdk", "macosx", "metal", "--version").splitlines()[:1]
+    machine["Metal compiler"] = (sh("xcrun", "-sdk", "macosx", "metal", "--version").splitlines()
+                                 or ["not found"])[0]
 else:
     cpu = re.search(r"^model name\s*: (.*)$", read("/proc/cpuinfo"), re.M)
     machine["CPU"] = cpu.group(1) if cpu else platform.processor()
