@@ -106,7 +106,8 @@ def compact_entry(caches) -> list:
 
 
 def _merge_error(caches) -> Optional[str]:
-    """Why these (fresh) caches cannot be merged into a batch, or None if they can."""
+    """Why these caches cannot join a batch (mlx-lm's BatchGenerator merges each
+    layer's caches of the sequences it takes in), or None if they can."""
     for c in caches:
         try:
             type(c).merge([c])
