@@ -265,7 +265,7 @@ def test_concurrent_streaming_and_plain_requests(server, reference):
 
 
 def _check_prefix_reuse(server, reference, text_seed, **options):
-    prefix = "Read this text.\n\n" + _long_text(120, text_seed)
+    prefix = "Read this text.\n\n" + _long_text(80, text_seed)
     first = prefix + "\n\nQuestion: which word comes first?"
     second = prefix + "\n\nQuestion: is the word 'ember' in the text?"
     status, a = server.request("/v1/chat/completions", dict(_chat(first), **options))
@@ -276,7 +276,7 @@ def _check_prefix_reuse(server, reference, text_seed, **options):
     t1 = reference.chat_tokens([{"role": "user", "content": first}])
     t2 = reference.chat_tokens([{"role": "user", "content": second}])
     common = next(i for i, (x, y) in enumerate(zip(t1, t2)) if x != y)
-    assert common > 120
+    assert common > 80
     assert b["usage"]["prompt_tokens"] == len(t2)
     # The second request's prompt came from the first one's cache entry up to where
     # the two prompts part (a few tokens less where the server keeps segments apart).

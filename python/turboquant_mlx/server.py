@@ -133,7 +133,9 @@ def _hooks(S, argv: Optional[List[str]]):
     from . import generate as G
     from .cache import make_prompt_cache
 
-    state = argparse.Namespace(args=None, batching=False)
+    # batching: requests go through BatchGenerator; single: a request is being served
+    # alone (ResponseGenerator._serve_single), which takes any cache.
+    state = argparse.Namespace(args=None, batching=False, single=False)
 
     def make_cache(model, max_kv_size=None):
         # Same signature as mlx-lm's make_prompt_cache, the preset of the command line.
@@ -273,7 +275,7 @@ def _hooks(S, argv: Optional[List[str]]):
 
         def fetch_nearest_cache(self, model, tokens):
             cache, rest = super().fetch_nearest_cache(model, tokens)
-            if cache is not None and state.batching:
+            if cache is not None and state.batching and not state.single:
                 # A cache that cannot join a batch would end the generation thread
                 # (and every request after it): process the whole prompt instead.
                 why = _merge_error(cache)
@@ -308,6 +310,13 @@ def _hooks(S, argv: Optional[List[str]]):
                     f"of {limit} tokens."
                 )
             return result
+
+        def _serve_single(self, *args, **kwargs):
+            state.single = True
+            try:
+                return super()._serve_single(*args, **kwargs)
+            finally:
+                state.single = False
 
         def generate(self, *args, **kwargs):
             self._errors.last = None
