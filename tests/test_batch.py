@@ -269,6 +269,30 @@ def test_trim_is_exact_within_rollback():
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("cut", [20, 60])
+def test_merge_takes_caches_trimmed_beyond_rollback(cut):
+    # A prompt-cache entry trimmed back to a shared prefix by more than its rollback
+    # window holds compressed tokens where the window should be; the single cache reads
+    # them as stored, and so does the batch (decoded into the row's fp16 columns, so
+    # only their fp16 rounding differs). Then both decode alike.
+    singles = [_filled_single(TQ4, 90, seed=20), _filled_single(TQ4, 170, seed=21)]
+    assert singles[1].trim(cut) == cut
+    batch = TurboQuantKVCache.merge(copy.deepcopy(singles))
+    rng = np.random.default_rng(5)
+    for step in range(12):
+        q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+        out = np.array(batch.attention(mx.array(q), 0.125, None))
+        for b, c in enumerate(singles):
+            one = np.array(c.attention(mx.array(q[b : b + 1]), 0.125, None))
+            np.testing.assert_allclose(out[b], one[0], atol=3e-3, rtol=1e-2,
+                                       err_msg=f"row {b} step {step}")
+        k = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+        v = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+        batch.update_and_fetch(mx.array(k), mx.array(v))
+        for b, c in enumerate(singles):
+            c.update_and_fetch(mx.array(k[b : b + 1]), mx.array(v[b : b + 1]))
+
+
 def test_merge_refusals():
     with pytest.raises(ValueError, match="query_aware_keys"):
         TurboQuantKVCache.merge([TurboQuantKVCache(3, 3, center=True, query_aware_keys=True)])

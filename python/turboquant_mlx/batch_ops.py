@@ -72,10 +72,24 @@ class _BatchOperations:
             r = dict(zip(names, c._state_arrays()))
             r.update(nc=c._n_comp, ws=c._win_start, calibrated=c.calibrated)
             held = c.offset
-            if r["calibrated"] and held > S and S + r["nc"] != max(S, held - R):
+            target = max(S, held - R)  # where a calibrated row's compressed tokens end
+            if r["calibrated"] and held > S and S + r["nc"] > target:
+                # A trim beyond the rollback window left compressed tokens where the
+                # window should be, and the single cache reads them as stored: the row
+                # reads them so too, decoded into its fp16 columns.
+                keep = target - S
+                if r["ws"] > target:
+                    k, v = c._dequantized(keep, r["ws"] - target, batch.window_dtype)
+                    r["wk"] = k if not r["wk"].size else mx.concatenate([k, r["wk"]], axis=2)
+                    r["wv"] = v if not r["wv"].size else mx.concatenate([v, r["wv"]], axis=2)
+                    r["ws"] = target
+                for name in ("kc", "ks", "vc", "vs"):
+                    r[name] = r[name][:, :, :keep]
+                r["nc"] = keep
+            if r["calibrated"] and held > S and S + r["nc"] != target:
                 raise ValueError(
-                    f"{_PREFIX} cache {b} holds {r['nc']} compressed tokens of {held} (a trim "
-                    "beyond its rollback window): it cannot join a batch."
+                    f"{_PREFIX} cache {b} holds {r['nc']} compressed tokens of {held} where "
+                    f"{target - S} are expected: it cannot join a batch."
                 )
             rows[b] = r
         pads = batch._pad
