@@ -5,7 +5,7 @@ the device per layer and token, besides the model's own work.
 
 On a GPU each operation that computes is at least one kernel (a concatenation copies
 once per input on MLX's CUDA backend), and at short context, where there is little
-attention work, their number decides the step time (see README, end-to-end decode).
+attention work, their number decides the step time (docs/H200_LOG.md).
 The count is read from the graph of a decode step's output (``update_and_fetch`` +
 attention) on a filled cache, through ``mx.export_to_dot``; views (slices, reshapes,
 broadcasts) are listed apart since they launch nothing. The window presets also write
