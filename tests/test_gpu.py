@@ -365,6 +365,35 @@ def test_dequantize_matches_cpu(head_dim, bits):
                                       np.array(want.astype(mx.float32)))
 
 
+def test_cuda_pool_counts_and_bounds_what_it_keeps():
+    # The CUDA backend allocates its outputs outside MLX's allocator. It counts them
+    # (what is in use returns to its level once the arrays are gone), and of freed
+    # buffers it keeps at most 1 GiB: a long prompt's decoded keys and values grow by a
+    # block each time, so no size comes twice, and keeping them all ran a 128k prompt
+    # out of device memory.
+    if _ext.gpu_backend() != "cuda":
+        pytest.skip("only the CUDA backend allocates outside MLX's allocator")
+    H, D, bits, n = 8, 128, 4, 65536
+    words = mx.zeros((1, H, n, D * bits // 32), mx.uint32)
+    scales = mx.ones((1, H, n), mx.float16)
+    c = mx.array(centroids_np(D, bits))
+    mx.eval(words, scales)
+    mx.synchronize()
+    before = _ext.gpu_pool_memory(reset_peak=True)
+    largest = 0
+    for length in range(32768, n + 1, 4096):  # float32 outputs of 128 to 256 MiB, 9 sizes
+        out = ops.dequantize(words, scales, c, bits, 0, length, stream=gpu())
+        mx.eval(out)
+        largest = max(largest, out.nbytes)
+        assert float(out[0, H - 1, length - 1, 0].item()) == float(c[0].item())
+        del out
+    mx.synchronize()
+    active, peak, held = _ext.gpu_pool_memory()
+    assert active == before[0]
+    assert largest <= peak - before[0] <= 2 * largest  # one output at a time
+    assert held <= 1 << 30
+
+
 # ---------------------------------------------------------------------------
 # attention: against the float64 reference on the dequantized cache
 
