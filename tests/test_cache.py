@@ -1890,3 +1890,29 @@ def test_deferred_prompt_check_takes_the_block_back_out(when):
     q = _queries(rng, (1, 4, n, 64))
     np.testing.assert_array_equal(np.array(cache.attention(q, 0.125, "causal")),
                                   np.array(twin.attention(q, 0.125, "causal")))
+
+
+@pytest.mark.parametrize("preset", ["tq4", "k4v3", "tq3", "tq4-plain"])
+def test_never_allocates_more_than_fp16_once_decoding(preset):
+    # From the first decode step on, a compressed cache holds fewer bytes than mlx-lm's
+    # fp16 cache of the same tokens, whatever the prompt's length (allocations grow
+    # with the tokens held). Before the fix, the fp16 copy of a prompt block that
+    # calibrated the levers stayed for rollback_tokens decode steps: tq4 held 1.28x
+    # fp16's bytes after a 4000-token prompt.
+    p = get_preset(preset)
+    rng = np.random.default_rng(0)
+    for n in (5, 40, 100, 300, 1000, 4000):
+        fp16 = KVCache()
+        cache = TurboQuantKVCache(p.key_bits, p.value_bits, fp16_sink_tokens=p.fp16_sink_tokens,
+                                  fp16_recent_tokens=p.fp16_recent_tokens, center=p.center)
+        k = mx.array(rng.standard_normal((1, 3, n, 64)), mx.float16)
+        for c in (fp16, cache):
+            c.update_and_fetch(k, k)
+        cache.attention(mx.array(rng.standard_normal((1, 9, n, 64)), mx.float16), 0.125, "causal")
+        for _ in range(3):
+            x = mx.array(rng.standard_normal((1, 3, 1, 64)), mx.float16)
+            for c in (fp16, cache):
+                c.update_and_fetch(x, x)
+            cache.attention(mx.array(rng.standard_normal((1, 9, 1, 64)), mx.float16), 0.125)
+            mx.eval(cache.state, fp16.state)
+            assert cache.nbytes < fp16.nbytes, (preset, n, cache.nbytes, fp16.nbytes)

@@ -129,8 +129,9 @@ class CalibrationMixin:
         all of them) and the queries seen, then stores the held tokens as the calibrated
         layout says (:mod:`turboquant_mlx.cache`).
 
-        Until ``rollback_tokens`` tokens after ``end`` have arrived, the cache keeps what
-        it needs to undo this: a trim back before ``end`` returns it to the uncalibrated
+        Until ``rollback_tokens`` tokens after ``end`` have arrived (calibrated at a
+        prompt block's attention call: until the next update), the cache keeps what it
+        needs to undo this: a trim back before ``end`` returns it to the uncalibrated
         cache that never saw the trimmed tokens (see :meth:`trim`)."""
         S = self.fp16_sink_tokens
         n = self._held_tokens()
@@ -150,6 +151,7 @@ class CalibrationMixin:
                     self._q_energy / self._q_count, mx.mean(k * k, axis=2)
                 )
         self._calib_undo = (S + m, hk, hv, self._q_marks, self._q_energy, self._q_count)
+        self._calib_in_prompt = end is None and self._last_block > self.decode_max_queries
         self._calibrated = True
         self._drop_code_space()
         self._q_energy, self._q_count, self._q_marks = None, 0, []

@@ -244,8 +244,12 @@ class TurboQuantKVCache(
         # added, for the last rollback_tokens positions: a trim takes their energies
         # back out (see _trim_queries).
         self._q_marks = []
-        # What a trim back before the calibration point restores (see _calibrate).
+        # What a trim back before the calibration point restores (see _calibrate), and
+        # whether a prompt block's attention call calibrated (then the next update
+        # drops it: held for longer, it doubled a short prompt's memory).
         self._calib_undo = None
+        self._calib_in_prompt = False
+        self._last_block = 0  # tokens of the last update
 
     def _init_codec(self, head_dim: int):
         """Sets up the codec for the model's head dim (stored padded if need be)."""
@@ -349,6 +353,10 @@ class TurboQuantKVCache(
             keys = _pad_last(keys, self._head_dim)
             values = _pad_last(values, self._head_dim)
         self.window_dtype = window_dtype
+        if self._calib_undo is not None and self._calib_in_prompt:
+            # Calibrated at a prompt block's attention: the steps that follow trim only
+            # their own tokens, never back before the block's end.
+            self._calib_undo = None
         if not self._calibrated and self._held_tokens() >= self.calibration_tokens:
             self._calibrate()  # no attention call came since those tokens arrived
         L = keys.shape[2]
@@ -362,6 +370,7 @@ class TurboQuantKVCache(
         if t < L:
             self._store(keys[:, :, t:] if t else keys, values[:, :, t:] if t else values, P + t)
         self.offset = P + L
+        self._last_block = L
         undo = self._calib_undo
         if undo is not None and self.offset - undo[0] >= self.rollback_tokens:
             self._calib_undo = None  # no trim of up to rollback_tokens reaches back there
@@ -498,7 +507,8 @@ class TurboQuantKVCache(
         the trimmed positions are taken back out (those of a prefill block trimmed
         in part stay), and a trim back before the position that calibrated the
         levers returns the cache to the uncalibrated one that never saw the trimmed
-        tokens, while fewer than ``rollback_tokens`` tokens have arrived since (after
+        tokens, while fewer than ``rollback_tokens`` tokens have arrived since, or, where
+        a prompt block's attention call calibrated them, until the next update (after
         that, ``mu`` and ``a`` stay).
         """
         n = max(0, min(int(n), self.offset))
