@@ -15,7 +15,10 @@ For each context (``--contexts``), batch size (``--batches``) and cache (``--cac
    TurboQuantKVCache ``reserve``d for the run; see ``bench_decode.make_caches``) and
    every one is filled with ``context`` tokens of random keys and values of the
    model's dtype (``bench_decode.fill``: ``update_and_fetch`` in chunks of ``--chunk``,
-   evaluated after each) instead of a prompt pass.
+   at most half the context, evaluated after each) instead of a prompt pass. A
+   compressed cache calibrates and compresses a chunk when the next one arrives, so
+   with two chunks or more every single cache holds its context compressed (but its
+   fp16 sinks and window), as the prompt cache of an earlier request would.
 2. The ``B`` caches of each layer are merged into one batch cache by mlx-lm's own merge
    path (``mlx_lm.generate._merge_caches``, which ``BatchGenerator`` and
    ``batch_generate`` call for caches with history: ``type(c).merge(caches)``), giving
@@ -31,23 +34,23 @@ For each context (``--contexts``), batch size (``--batches``) and cache (``--cac
    padding).
 
 Table 1 (per context, batch size and cache):
-  KV GiB        what the batch cache holds after the timed steps (allocated buffers,
+  KV            what the batch cache holds after the timed steps (allocated buffers,
                 all layers) and "KV / fp16" its ratio to the fp16 cache's
   tok/s         total decode tokens/s: ``B`` over the median step time
   ms/step       the median step time
   × fp16        tok/s over the fp16 cache's at the same context and batch size,
                 measured in the same run (fp16 must come first in ``--caches``)
-  peak GiB      MLX's peak memory over the timed steps, plus the peak of what the
+  peak          MLX's peak memory over the timed steps, plus the peak of what the
                 extension's CUDA backend allocates outside MLX's allocator
                 (``bench_decode.peak_memory``): weights + caches + the steps'
                 temporaries (nothing else is held then)
-  temp GiB      peak - weights - KV
+  temp          peak - weights - KV
 
 Table 2 (per context and cache): how many sequences of that context fit in
 ``--budget-gib`` of memory during decode. Method: the peak of a batch of ``B`` is taken
 as ``fixed + B * per_sequence``, with
   KV/seq        KV bytes of the largest batch measured, over its ``B``;
-  temp/seq      the growth of the temporaries (temp GiB) per sequence between the
+  temp/seq      the growth of the temporaries (temp) per sequence between the
                 smallest and the largest batch measured (0 with one batch size or if
                 they shrink);
   fixed         weights + the temporaries of the smallest batch less its ``B`` times
@@ -59,6 +62,8 @@ BatchKVCache growing (mlx-lm concatenates a layer's buffer with 256 new columns,
 that layer exists twice for a moment), is not in it except where it happened during
 the timed steps.
 
+Memory is in GiB (``--memory-unit MiB`` for small models).
+
 A cache that fails is reported in its row ("does not fit" for out-of-memory) and the
 others still run. Rows are printed as they are measured (and ``--markdown-out`` is
 rewritten with both tables), each measured row is appended to ``--jsonl``; progress
@@ -67,9 +72,9 @@ goes to stderr.
 Usage:
   python bench/bench_batch.py                               # GPU, 32k, batches 1, 4, 16
   python bench/bench_batch.py --contexts 8192,32768 --budget-gib 128
-  python bench/bench_batch.py --device cpu --layers 2 --hidden 256 --heads 4 \\
-      --kv-heads 2 --head-dim 64 --intermediate 512 --vocab 1024 --contexts 2048 \\
-      --budget-gib 1 --steps 10
+  python bench/bench_batch.py --device cpu --layers 2 --hidden 576 --heads 9 \\
+      --kv-heads 3 --head-dim 64 --intermediate 1536 --vocab 1024 \\
+      --contexts 4096,8192 --steps 10 --warmup 2 --budget-gib 1 --memory-unit MiB
 """
 
 import argparse
@@ -83,7 +88,7 @@ from mlx_lm.generate import _merge_caches
 
 import _long
 import bench_decode
-from _long import GiB, context_label, fmt, gib, log
+from _long import GiB, context_label, fmt, log
 
 DEFAULT_CACHES = "fp16,tq4,k4v3"
 MiB = 2**20
@@ -110,6 +115,8 @@ def parse_args(argv=None):
                    help="write both tables (markdown) to this file, rewritten after each row")
     p.add_argument("--jsonl", default=None,
                    help="append each measured row to this file as one JSON object")
+    p.add_argument("--memory-unit", choices=("GiB", "MiB"), default="GiB",
+                   help="unit of the memory columns (MiB for small models)")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("model (bench_decode.build_model; Llama-3-8B shape)")
     g.add_argument("--layers", type=int, default=32)
@@ -135,7 +142,11 @@ def batch_cache(model, name, batch, context, a, dtype):
     (module docstring, steps 1 and 2), one layer at a time."""
     reserve = context + a.warmup + a.steps + 16
     singles = [_long.make_cache(model, name, reserve) for _ in range(batch)]
-    shape = argparse.Namespace(chunk=a.chunk, kv_heads=a.kv_heads, head_dim=a.head_dim)
+    # Two chunks at least: a compressed cache holds a lone first chunk uncompressed
+    # (it calibrates at the next append), and a merge of such caches keeps an fp16
+    # copy of the whole context until its buffer is next rebuilt.
+    chunk = min(a.chunk, -(-context // 2))
+    shape = argparse.Namespace(chunk=chunk, kv_heads=a.kv_heads, head_dim=a.head_dim)
     merged = []
     for i in range(len(model.layers)):
         bench_decode.fill([s[i] for s in singles], context, shape, dtype)
@@ -229,12 +240,18 @@ def main(argv=None):
 
     shape = ("8B-shaped llama" if (a.layers, a.hidden) == (32, 4096) else
              f"llama {a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads x {a.head_dim}")
+    u = a.memory_unit
+    unit = GiB if u == "GiB" else MiB
+
+    def mem(x, digits=2):
+        return f"{x / unit:.{digits}f}"
+
     where = f"{a.weight_bits}-bit weights, {a.dtype}, {mx.default_device()}"
     decode = _long.Table(
         f"### Batched decode, {shape} ({where})",
-        [("context", True), ("batch", False), ("cache", True), ("KV GiB", False),
+        [("context", True), ("batch", False), ("cache", True), (f"KV {u}", False),
          ("KV / fp16", False), ("tok/s", False), ("ms/step", False), ("× fp16", False),
-         ("peak GiB", False), ("temp GiB", False)],
+         (f"peak {u}", False), (f"temp {u}", False)],
         None, a.jsonl)
     budget = a.budget_gib * GiB
     fits = None
@@ -287,9 +304,9 @@ def main(argv=None):
                     ratio = tps / base["tokens_per_s"]
                     kv_ratio = kv / base["kv_bytes"]
                     record.update(ratio_fp16=ratio, kv_ratio_fp16=kv_ratio)
-                cells = [label, batch, name, f"{kv / GiB:.3f}", fmt(kv_ratio, 3), fmt(tps),
-                         fmt(step_s * 1e3, 2), fmt(ratio, 2), gib(peak),
-                         gib(record["temp_bytes"])]
+                cells = [label, batch, name, mem(kv, 3), fmt(kv_ratio, 3), fmt(tps),
+                         fmt(step_s * 1e3, 2), fmt(ratio, 2), mem(peak),
+                         mem(record["temp_bytes"])]
                 if not ok:
                     cells[-1] += " (non-finite logits)"
                 decode.add(cells, record, note=f"{kind}, fill {t_fill:.1f} s, best "
@@ -302,7 +319,7 @@ def main(argv=None):
         f"fixed + B x (KV/seq + temp/seq) from batches {a.batches}, bench/bench_batch.py's "
         "docstring)",
         [("context", True), ("cache", True), ("KV MiB/seq", False), ("temp MiB/seq", False),
-         ("fixed GiB", False), (f"sequences in {a.budget_gib:g} GiB", False),
+         (f"fixed {u}", False), (f"sequences in {a.budget_gib:g} GiB", False),
          ("× fp16", False)],
         None, a.jsonl)
     for ctx in contexts:
@@ -317,7 +334,7 @@ def main(argv=None):
                 base_fit = fit
             ratio = fit / base_fit if base_fit and name != "fp16" else None
             fits.add([context_label(ctx), name, fmt(kv_seq / MiB, 2), fmt(temp_seq / MiB, 2),
-                      gib(fixed), fit, fmt(ratio, 2)],
+                      mem(fixed), fit, fmt(ratio, 2)],
                      dict(bench="batch_budget", context=ctx, cache=name, dtype=a.dtype,
                           device=str(mx.default_device()), budget_bytes=budget,
                           kv_bytes_per_seq=kv_seq, temp_bytes_per_seq=temp_seq,
