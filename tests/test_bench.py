@@ -16,6 +16,7 @@ from turboquant_mlx.cache import TurboQuantKVCache, make_prompt_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import _long  # noqa: E402
+import bench_batch  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_prefill  # noqa: E402
 import long_context  # noqa: E402
@@ -253,3 +254,71 @@ def test_fill_puts_the_context_in_every_attention_cache():
     assert [c.offset for c in cache if isinstance(c, TurboQuantKVCache)] == [600]
     assert all(c[0] is not None and c[1].dtype == mx.float32
                for c in cache if isinstance(c, ArraysCache))
+
+
+# -- bench_batch.py -------------------------------------------------------------------
+
+
+def _tables(path):
+    """Every markdown table in ``path``: a list of row lists (dicts by column name)."""
+    tables, lines = [], open(path).read().splitlines() + [""]
+    block = []
+    for line in lines:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            cols = [c.strip() for c in block[0].strip("|").split("|")]
+            tables.append([dict(zip(cols, (c.strip() for c in r.strip("|").split("|"))))
+                           for r in block[2:]])
+            block = []
+    return tables
+
+
+def test_bench_batch_rows_for_every_batch_and_cache(tmp_path):
+    # A tiny model on the CPU: fp16 (BatchKVCache) and the compressed caches merged
+    # into BatchTurboQuantKVCache, decoded at two batch sizes; then the budget table.
+    _skip_unless_cpu()
+    out, jsonl = tmp_path / "batch.md", tmp_path / "batch.jsonl"
+    bench_batch.main(["--device", "cpu"] + TINY_LLAMA + [
+        "--contexts", "300", "--batches", "1,3", "--steps", "2", "--warmup", "1",
+        "--chunk", "128", "--budget-gib", "1", "--memory-unit", "MiB",
+        "--markdown-out", str(out), "--jsonl", str(jsonl)])
+    decode, fits = _tables(out)
+    caches = bench_batch.DEFAULT_CACHES.split(",")
+    assert [(r["batch"], r["cache"]) for r in decode] == [
+        (b, c) for b in ("1", "3") for c in caches]
+    for r in decode:
+        assert r["context"] == "300"
+        assert _number(r["tok/s"]) > 0 and _number(r["KV MiB"]) > 0
+        _number(r["peak MiB"])
+        if r["cache"] == "fp16":
+            assert r["× fp16"] == r["KV / fp16"] == "–"
+        else:  # (the CPU's fp16 cache holds the model's float32)
+            assert _number(r["× fp16"]) > 0 and 0 < _number(r["KV / fp16"]) < 1
+    records = _long.load_jsonl(str(jsonl))
+    kinds = {r["cache"]: r["batch_cache"] for r in records if r["bench"] == "batch"}
+    assert kinds == {"fp16": "BatchKVCache", "tq4": "BatchTurboQuantKVCache",
+                     "k4v3": "BatchTurboQuantKVCache"}
+    assert all(r["finite"] for r in records if r["bench"] == "batch")
+    assert [r["cache"] for r in fits] == caches
+    for r in fits:
+        n = int(r["sequences in 1 GiB"])
+        assert n > 0
+        # The method: floor((budget - fixed) / (KV/seq + temp/seq)), to the cells' rounding.
+        per_seq = (_number(r["KV MiB/seq"]) + _number(r["temp MiB/seq"])) * 2**20
+        assert n == pytest.approx((2**30 - _number(r["fixed MiB"]) * 2**20) / per_seq,
+                                  rel=0.01, abs=1)
+    assert all(_number(r["× fp16"]) > 1 for r in fits[1:])
+
+
+def test_bench_batch_budget_fit():
+    # fixed + B * per_seq through the smallest and largest batch.
+    rows = {1: dict(batch=1, kv_bytes=100, temp_bytes=50),
+            4: dict(batch=4, kv_bytes=400, temp_bytes=80),
+            2: dict(batch=2, kv_bytes=999, temp_bytes=999)}  # (only the ends count)
+    kv_seq, temp_seq, fixed, fit = bench_batch.fit_budget(rows, weights=1000, budget=3000)
+    assert (kv_seq, temp_seq, fixed) == (100, 10, 1040)
+    assert fit == (3000 - 1040) // 110
+    # Temporaries that shrink with the batch count as fixed.
+    rows[4]["temp_bytes"] = 20
+    assert bench_batch.fit_budget(rows, 1000, 3000)[1:3] == (0.0, 1050)

@@ -2,13 +2,15 @@
 # Builds the CUDA extension on a lent NVIDIA machine and runs the GPU tests and the
 # GPU benchmark there, writing logs to $OUT. Needs MLX's CUDA wheel carried in two
 # halves (run `bash ../shared/tools/mlx-cuda-carry.sh` from the repository root first)
-# and, as wheels in .whl/, nanobind 3.1.0 and (for `suite` and `decode`) mlx-lm
+# and, as wheels in .whl/, nanobind 3.1.0 and (for `suite`, `decode` and `batch`) mlx-lm
 # (`python3 -m pip download --no-deps --only-binary=:all: -d .whl mlx-lm==0.32.2`).
 # Two calls, back to back:
 #   1) carry [".carry/mlx-a"]           bash tools/h200_run.sh stage
 #   2) carry [".carry/mlx-b", ".whl"]   bash tools/h200_run.sh all   (or: build, test, bench)
 # Steps after `stage` can be combined: `bash tools/h200_run.sh build test bench`.
 # `kernel` = bench/kernel_time.py (device time per attention call, Nsight Compute).
+# `batch` = bench/bench_batch.py (batched decode and sequences per memory budget; after
+# `build`: `bash tools/h200_run.sh build batch`).
 # `validate` = build, test (tests/test_gpu.py), suite (the whole suite with
 # `--device gpu`), decode (bench/bench_decode.py), bench (bench/bench_gpu.py) and a
 # summary, within TQ_DEADLINE seconds (default 560) of its start: each step's timeout is
@@ -186,6 +188,15 @@ step_long() {
   grep -E "^\||Error|error" "$OUT/long_context.log" | tail -40
 }
 
+# Batched decode (bench/bench_batch.py, TQ_BATCH_ARGS): total tokens/s at batch 1, 4
+# and 16 with 32k tokens per sequence, fp16 (mlx-lm's BatchKVCache) vs tq4 and k4v3
+# (merged into BatchTurboQuantKVCache), and how many 32k sequences fit in 64 GiB.
+step_batch() {
+  run_step batch "$(budget "${TQ_BATCH_TIMEOUT:-540}")" python3 bench/bench_batch.py \
+    --markdown-out "$OUT/batch.md" --jsonl "$OUT/batch.jsonl" ${TQ_BATCH_ARGS:-}
+  grep -E "^\||Error|error" "$OUT/batch.log" | tail -40
+}
+
 # C++ exceptions raised through the CUDA build's bindings (a plain function and an op
 # that refuses its input): each must surface as a Python error. On a crash, a native
 # backtrace (cuda-gdb debugs host code too; the image has no gdb) and the link map.
@@ -278,6 +289,7 @@ for step in "$@"; do
     kernel) export PYTHONPATH=/tmp/site; step_kernel ;;
     prefill) export PYTHONPATH=/tmp/site; step_prefill ;;
     long) export PYTHONPATH=/tmp/site; step_long ;;
+    batch) export PYTHONPATH=/tmp/site; step_batch ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
