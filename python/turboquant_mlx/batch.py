@@ -220,7 +220,10 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         cap = 0 if self._kc is None else self._kc.shape[2]
         if needed <= cap:
             return
-        new_cap = -(-max(needed, int(cap * 1.25)) // self.step) * self.step
+        # Grown by one step of columns, as mlx-lm's BatchKVCache grows: a quarter of
+        # slack per row (the single cache's growth) costs a batch a quarter of the rows
+        # a memory budget holds, and the copy every `step` decode steps is cheap.
+        new_cap = -(-max(needed, cap + self.step) // self.step) * self.step
         B, H, D = len(self._pad), self._H, self._head_dim
         wk = ops.words_per_token(D, self.key_bits)
         wv = ops.words_per_token(D, self.value_bits)
