@@ -103,6 +103,36 @@ TQ_FN float tq_mask_value(const TQ_DEV uchar* mask, int kind, int64_t at, TQ_THR
   return 0.0f;
 }
 
+/// Score `s` of query row `rr` (clamped to the last row) of KV head `kvh` in batch `b`
+/// at key `tok` of a split ending at `t_end`, after the range, the causal limit and the
+/// mask: s plus the mask's additive term (scaled by log2 e), or -inf for a key the row
+/// does not see. The attention kernels (this file's and csrc/cuda/attention_mma.cuh)
+/// call it on their checked steps only (CHECK).
+TQ_FN float tq_masked_score(
+    float s,
+    const TQ_DEV uchar* mask,
+    TQ_CONST TQAttnParams& p,
+    int b,
+    int kvh,
+    int rr,
+    int tok,
+    int t_end) {
+  rr = min(rr, p.rows - 1);
+  const int qh = kvh * p.gqa + rr / p.q_len;
+  const int ql = rr % p.q_len;
+  const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
+  bool keep = tok < t_end && tok <= lim;
+  if (p.mask_kind != 0) {
+    bool mk;
+    const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] + ql * p.mask_stride[2] +
+        int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
+    const float add = tq_mask_value(mask, p.mask_kind, at, mk);
+    keep = keep && mk;
+    s += add * 1.4426950408889634f;
+  }
+  return keep ? s : tq_neg_inf();
+}
+
 // ============================================================================ rotation
 
 // R = H diag(s) / sqrt(D) applied in the kernels (TQRotation), so that a decode step
@@ -288,20 +318,7 @@ TQ_FN void tq_attn_step(
       const int tok = t0 + c.first + u * GS;
       TQ_UNROLL
       for (int r = 0; r < RC; ++r) {
-        const int rr = min(row0 + r, p.rows - 1);
-        const int qh = kvh * p.gqa + rr / p.q_len;
-        const int ql = rr % p.q_len;
-        const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
-        bool keep = tok < t_end && tok <= lim;
-        if (p.mask_kind != 0) {
-          bool mk;
-          const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] +
-              ql * p.mask_stride[2] + int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
-          const float add = tq_mask_value(mask, p.mask_kind, at, mk);
-          keep = keep && mk;
-          s[u][r] += add * 1.4426950408889634f;
-        }
-        s[u][r] = keep ? s[u][r] : tq_neg_inf();
+        s[u][r] = tq_masked_score(s[u][r], mask, p, b, kvh, row0 + r, tok, t_end);
       }
     }
   }
