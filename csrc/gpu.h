@@ -1,3 +1,4 @@
+// Layout: host code, every build (the GPU backends' interface).
 // GPU entry points. Exactly one backend provides them: csrc/cuda/ when MLX has CUDA,
 // csrc/metal/ on macOS, csrc/gpu_none.cpp otherwise (where they throw; the Python
 // layer routes GPU streams to plain-MLX fallbacks when gpu::available() is false).

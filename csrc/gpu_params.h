@@ -1,3 +1,4 @@
+// Layout: host code shared by the GPU backends (CUDA and Metal).
 // Host code shared by the GPU backends (csrc/cuda/eval_cuda.cu, csrc/metal/eval_metal.cpp):
 // the kernels' argument blocks (metal/tq_params.h) filled from a primitive and its
 // arrays, and the split of the keys over threadgroups. Backend-neutral C++: what

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel body).
 // Attention over the compressed cache on NVIDIA tensor cores (mma.sync m16n8k16,
 // float16 inputs, float32 accumulation): the CUDA fast path for float16 / bfloat16
 // queries and head dims 64, 128, 256. Same contract, grid and split-K partials as

@@ -1,3 +1,4 @@
+// Layout: CUDA only (host code).
 // GPU backend on MLX's CUDA build: picks the kernel instantiation, sizes the grid,
 // allocates outputs and records the launches in MLX's CUDA command encoder.
 //
@@ -928,7 +929,7 @@ void dequantize(
   auto& out = outputs[0];
   allocate(out, enc);
 
-  const TQDequantParams p = dequantize_params(prim, codes, scales, out);
+  TQDequantParams p = dequantize_params(prim, codes, scales, out); // (the encoder takes lvalues)
   const int64_t total = int64_t(out.size());
   if (total == 0) {
     return;

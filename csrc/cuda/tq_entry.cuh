@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel entry points).
 // CUDA entry points: thin __global__ wrappers over the shared kernel bodies in
 // metal/tq_kernels.h (the same code the Metal build instantiates), plus the table
 // through which the host code finds the instantiation it needs.

@@ -1,3 +1,4 @@
+// Layout: Metal only (host code).
 // GPU backend on MLX's Metal build (macOS): names the kernel instantiation of
 // metal/turboquant.metal, takes its pipeline from MLX's per-library cache, binds the
 // buffers and dispatches. The kernel bodies are the ones the CUDA build runs
