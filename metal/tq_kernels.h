@@ -104,21 +104,21 @@ TQ_FN float tq_mask_value(const TQ_DEV uchar* mask, int kind, int64_t at, TQ_THR
   return 0.0f;
 }
 
-/// Score `s` of query row `rr` (clamped to the last row) of KV head `kvh` in batch `b`
-/// at key `tok` of a split ending at `t_end`, after the range, the causal limit and the
-/// mask: s plus the mask's additive term (scaled by log2 e), or -inf for a key the row
-/// does not see. The attention kernels (this file's and csrc/cuda/attention_mma.cuh)
-/// call it on their checked steps only (CHECK).
-TQ_FN float tq_masked_score(
-    float s,
+/// Applies the range, the causal limit and the mask to score `s` of query row `row`
+/// (clamped to the last row) of KV head `kvh` in batch `b` at key `tok` of a split
+/// ending at `t_end`: adds the mask's additive term (scaled by log2 e), or sets -inf
+/// for a key the row does not see. The attention kernels (this file's and
+/// csrc/cuda/attention_mma.cuh) call it on their checked steps only (CHECK).
+TQ_FN void tq_mask_score(
+    TQ_THR float& s,
     const TQ_DEV uchar* mask,
     TQ_CONST TQAttnParams& p,
     int b,
     int kvh,
-    int rr,
+    int row,
     int tok,
     int t_end) {
-  rr = min(rr, p.rows - 1);
+  const int rr = min(row, p.rows - 1);
   const int qh = kvh * p.gqa + rr / p.q_len;
   const int ql = rr % p.q_len;
   const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
@@ -131,7 +131,7 @@ TQ_FN float tq_masked_score(
     keep = keep && mk;
     s += add * 1.4426950408889634f;
   }
-  return keep ? s : tq_neg_inf();
+  s = keep ? s : tq_neg_inf();
 }
 
 // ============================================================================ rotation
@@ -319,7 +319,7 @@ TQ_FN void tq_attn_step(
       const int tok = t0 + c.first + u * GS;
       TQ_UNROLL
       for (int r = 0; r < RC; ++r) {
-        s[u][r] = tq_masked_score(s[u][r], mask, p, b, kvh, row0 + r, tok, t_end);
+        tq_mask_score(s[u][r], mask, p, b, kvh, row0 + r, tok, t_end);
       }
     }
   }

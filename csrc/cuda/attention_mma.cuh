@@ -44,7 +44,7 @@
 #include <cstdio> // (TQ_MMA_PROBE=3 prints)
 #include <type_traits>
 
-#include "tq_kernels.h" // tq_masked_score, tq_neg_inf, TQAttnParams
+#include "tq_kernels.h" // tq_mask_score, tq_neg_inf, TQAttnParams
 
 // Knobs for tuning builds (-DTURBOQUANT_MMA_TUNE="TQ_MMA_TILES=2;..." in CMake,
 // tools/mma_variants.sh); the defaults are what was measured and tested on an H200.
@@ -671,8 +671,8 @@ __device__ __forceinline__ void tq_mma_scores(
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = t0 + 16 * m + g + 8 * (i >> 1);
-          const int rr = row0 + nb * 8 + 2 * cc + (i & 1);
-          s[m][nb][i] = tq_masked_score(s[m][nb][i], mask, p, b, kvh, rr, tok, t_end);
+          const int row = row0 + nb * 8 + 2 * cc + (i & 1);
+          tq_mask_score(s[m][nb][i], mask, p, b, kvh, row, tok, t_end);
         }
       }
     }
