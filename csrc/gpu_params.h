@@ -11,10 +11,21 @@
 #include <vector>
 
 #include "env.h"
+#include "message.h"
 #include "metal/tq_params.h"
 #include "primitives.h"
 
 namespace turboquant_mlx::gpu {
+
+/// Refuses a head dim without compiled kernels (multiples of 32 from 32 to 256) in
+/// `op` of the GPU backend `backend` ("CUDA", "Metal").
+inline void check_kernel_head_dim(const char* op, const char* backend, int d) {
+  if (d < 32 || d > 256 || d % 32 != 0) {
+    throw std::invalid_argument(message(
+        "[turboquant_mlx.", op, "] the ", backend,
+        " kernels support head dims that are multiples of 32 in [32, 256], got ", d, "."));
+  }
+}
 
 /// Arguments of an attention kernel over queries `q` (B, Hq, L, D) and the cache's
 /// codes and scales as the kernel reads them, with the mask (nullptr: none) of

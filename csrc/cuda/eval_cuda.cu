@@ -661,12 +661,7 @@ void attention(
 
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = inputs[1].shape(1);
-  if (!ck::supported_head_dim(D)) {
-    throw std::invalid_argument(message(
-        "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
-        "are multiples of 32 in [32, 256], got ",
-        D, "."));
-  }
+  check_kernel_head_dim("compressed_attention", "CUDA", D);
   const int kb = ap.key_bits, vb = ap.value_bits;
   const int rows = (Hq / Hkv) * L;
   // Tensor-core path (float16/bfloat16 queries): 8 or (head dims <= 128) 16 query rows

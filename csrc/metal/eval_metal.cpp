@@ -43,10 +43,6 @@ MTL::ComputePipelineState* get_kernel(mx::metal::Device& d, const std::string& n
   return d.get_kernel(name, lib);
 }
 
-bool supported_head_dim(int d) {
-  return d >= 32 && d <= 256 && d % 32 == 0;
-}
-
 const char* type_name(mx::Dtype t) {
   switch (t) {
     case mx::float32: return "float32";
@@ -232,13 +228,7 @@ void quantize_append_part(
   const mx::array x = last_axis_contiguous(in[nb], d, s);
   auto& cent = in[nb + 1];
   const int head_dim = x.shape(3);
-  if (!supported_head_dim(head_dim)) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx.quantize_append] the Metal kernels support head dims that are "
-           "multiples of 32 in [32, 256], got "
-        << head_dim << ".";
-    throw std::invalid_argument(msg.str());
-  }
+  check_kernel_head_dim("quantize_append", "Metal", head_dim);
   const int64_t n = int64_t(x.shape(0)) * x.shape(1) * x.shape(2);
   if (n == 0) {
     return;
@@ -279,13 +269,7 @@ void attention(
   auto& lse = outputs[1];
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = inputs[1].shape(1);
-  if (!supported_head_dim(D)) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx.compressed_attention] the Metal kernels support head dims that "
-           "are multiples of 32 in [32, 256], got "
-        << D << ".";
-    throw std::invalid_argument(msg.str());
-  }
+  check_kernel_head_dim("compressed_attention", "Metal", D);
   AttnShape sh = attn_shape(D);
   const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, d, s);
   const mx::array vc = readable_codes(inputs[3], sh.DL, ap.value_bits, d, s);
