@@ -22,8 +22,13 @@ namespace turboquant_mlx::gpu {
 inline void check_kernel_head_dim(const char* op, const char* backend, int d) {
   if (d < 32 || d > 256 || d % 32 != 0) {
     throw std::invalid_argument(message(
-        "[turboquant_mlx.", op, "] the ", backend,
-        " kernels support head dims that are multiples of 32 in [32, 256], got ", d, "."));
+        "[turboquant_mlx.",
+        op,
+        "] the ",
+        backend,
+        " kernels support head dims that are multiples of 32 in [32, 256], got ",
+        d,
+        "."));
   }
 }
 
@@ -93,7 +98,12 @@ struct KeySplits {
 /// and a whole number of `step`-key iterations, at most TQ_MAX_SPLITS; the count is
 /// then the fewest splits of that length.
 inline KeySplits key_splits(
-    int kv_len, int units, int target, int step, int min_split, SplitRounding rounding) {
+    int kv_len,
+    int units,
+    int target,
+    int step,
+    int min_split,
+    SplitRounding rounding) {
   int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
   if (splits <= 0) {
     splits = rounding == SplitRounding::down ? std::max(1, target / units)
@@ -179,7 +189,10 @@ inline TQQuantParams quantize_params(
 
 /// Arguments of a dequantize launch from `codes` and `scales` into `out`.
 inline TQDequantParams dequantize_params(
-    const Dequantize& prim, const mx::array& codes, const mx::array& scales, const mx::array& out) {
+    const Dequantize& prim,
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& out) {
   TQDequantParams p{};
   for (int a = 0; a < 3; ++a) {
     p.c_stride[a] = codes.strides()[a];

@@ -26,9 +26,9 @@
 #include "attention_mma.cuh"
 #include "buffer_copies.h"
 #include "env.h"
-#include "message.h"
 #include "gpu.h"
 #include "gpu_params.h"
+#include "message.h"
 #include "tq_entry.cuh"
 
 namespace turboquant_mlx::gpu {

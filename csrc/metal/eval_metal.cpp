@@ -236,8 +236,12 @@ void quantize_append_part(
   // Without a mean, slot 2 is bound to the centroids and never read.
   const mx::array mean = part.centered ? row_contiguous(in[nb + 2], d, s) : cent;
   const TQQuantParams p = quantize_params(
-      prim, part, x, prim.writes_codes() ? &codes : nullptr,
-      prim.writes_scales() ? &scales : nullptr, part.centered ? &mean : nullptr);
+      prim,
+      part,
+      x,
+      prim.writes_codes() ? &codes : nullptr,
+      prim.writes_scales() ? &scales : nullptr,
+      part.centered ? &mean : nullptr);
   std::ostringstream name;
   name << "tq_quantize_"
        << (x.dtype() == mx::float16       ? "float16"
