@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Python module turboquant_mlx._ext. The public Python API lives in
 // turboquant_mlx.ops, which adds the rotation and the plain-MLX fallbacks.
 #include <nanobind/nanobind.h>

@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 #include "buffer_copies.h"
 
 #include <atomic>

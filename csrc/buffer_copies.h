@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Counts the cache-buffer copies the primitives make. Appending to a cache is O(new
 // tokens) only while quantize_append can reuse (donate) the cache's buffers; when it
 // cannot, it copies the whole buffer, which at long context costs more than the

@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Environment switches: the one place the C++ code reads TURBOQUANT_* variables
 // (the list is in docs/ARCHITECTURE.md, "Environment variables"). Each is read from the
 // environment at its first use and kept for the rest of the process, so that kernels

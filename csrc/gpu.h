@@ -1,3 +1,4 @@
+// Layout: host code, every build (the GPU backends' interface).
 // GPU entry points. Exactly one backend provides them: csrc/cuda/ when MLX has CUDA,
 // csrc/metal/ on macOS, csrc/gpu_none.cpp otherwise (where they throw; the Python
 // layer routes GPU streams to plain-MLX fallbacks when gpu::available() is false).
@@ -68,46 +69,5 @@ std::vector<float> simdgroup_matrix_check(
     const std::vector<float>& a,
     const std::vector<float>& b,
     const std::vector<float>& c);
-
-/// Arguments of the split-K merge over the query rows of `q` (B, Hq, L, D) with
-/// `splits` partials each, of the tail and the means when the attention op has them
-/// (`tail`, `means`: those inputs as the merge reads them), with the op's rotation (the
-/// merge writes R^T o for the compressed part when ap.rotate_output). Shared by the
-/// backends' `attention`.
-inline TQMergeParams merge_params(
-    const mx::array& q,
-    const AttentionParams& ap,
-    const std::vector<mx::array>& tail,
-    const std::vector<mx::array>& means,
-    int kv_heads,
-    int splits) {
-  TQMergeParams mp{};
-  mp.rows = q.shape(0) * q.shape(1) * q.shape(2);
-  mp.n_splits = splits;
-  mp.q_heads = q.shape(1);
-  mp.q_len = q.shape(2);
-  mp.gqa = q.shape(1) / kv_heads;
-  mp.scale_log2 = ap.scale * 1.4426950408889634f;
-  mp.rot = kernel_rotation(ap.rotation, q.shape(3));
-  mp.unrotate_out = ap.rotate_output ? 1 : 0;
-  for (int a = 0; a < 3; ++a) {
-    mp.q_stride[a] = q.strides()[a];
-  }
-  if (ap.has_tail) {
-    for (int a = 0; a < 3; ++a) {
-      mp.tk_stride[a] = tail[0].strides()[a];
-      mp.tv_stride[a] = tail[1].strides()[a];
-    }
-    mp.tail_len = tail[0].shape(2);
-  }
-  if (ap.centered) {
-    // Both means are row-contiguous float32 (B, Hkv, 1, D) here (the evals copy one
-    // that is not), so one pair of strides serves both.
-    mp.mean_stride[0] = means[0].strides()[0];
-    mp.mean_stride[1] = means[0].strides()[1];
-    mp.centered = 1;
-  }
-  return mp;
-}
 
 } // namespace turboquant_mlx::gpu

@@ -1,3 +1,4 @@
+// Layout: host code, builds without GPU kernels.
 // Builds without GPU kernels (Linux CPU wheels): the Python layer sends GPU streams
 // to the plain-MLX fallbacks, so reaching these is a routing bug, reported as such.
 #include <stdexcept>

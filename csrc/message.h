@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Error messages built without iostreams. The CUDA build's module carries its own
 // instantiations of the standard stream inserters (nvcc-compiled code), bound inside
 // the module with hidden visibility; their locale facet ids are never registered with

@@ -1,3 +1,5 @@
+// Layout: host code, every build.
+// Op functions: validate the inputs, then build the primitive (ops.h).
 #include <limits>
 #include "ops.h"
 

@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Op functions of turboquant_mlx: validate inputs, then build the primitive.
 // The ops work in rotated space; quantize_append and compressed_attention can also
 // apply a power-of-two head dim's rotation themselves (rotation_signs).

@@ -1,3 +1,5 @@
+// Layout: host code, every build.
+// The primitives' evals (the CPU kernels or the GPU backend), equivalence and output shapes.
 #include "primitives.h"
 
 #include <stdexcept>

@@ -1,3 +1,4 @@
+// Layout: host code, every build.
 // Primitives of turboquant_mlx. Each holds only its settings; the work is done by
 // eval_cpu (csrc/cpu/) and eval_gpu (csrc/cuda/ or csrc/metal/, see gpu.h).
 // Data layouts: docs/ARCHITECTURE.md.

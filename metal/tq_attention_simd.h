@@ -1,3 +1,4 @@
+// Layout: shared kernel code, compiled as Metal and as CUDA (Metal's fast path).
 // Attention over the compressed cache on 8x8 simdgroup matrices: the fast path for
 // float16 / bfloat16 queries at head dims 64, 128 and 256 on Metal (Apple GPUs multiply
 // simdgroup_matrix fragments in hardware), written once like the kernels of
@@ -371,33 +372,3 @@ TQ_FN void tq_attention_simd_impl(
     }
   }
 }
-
-#if defined(TQ_METAL)
-
-template <typename QT, int D, int KB, int VB>
-[[kernel]] void tq_attention_simd(
-    const device QT* q [[buffer(0)]],
-    const device uint* k_codes [[buffer(1)]],
-    const device half* k_scales [[buffer(2)]],
-    const device uint* v_codes [[buffer(3)]],
-    const device half* v_scales [[buffer(4)]],
-    const device float* k_cent [[buffer(5)]],
-    const device float* v_cent [[buffer(6)]],
-    const device uchar* mask [[buffer(7)]],
-    device float* out [[buffer(8)]],
-    device float* lse [[buffer(9)]],
-    device float* o_part [[buffer(10)]],
-    device float* ml_part [[buffer(11)]],
-    constant TQAttnParams& p [[buffer(12)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[TQAttnSimdConfig<D>::SMEM];
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_attention_simd_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, th);
-}
-
-#endif // TQ_METAL

@@ -1,7 +1,8 @@
+// Layout: shared kernel code, compiled as Metal and as CUDA.
 // Kernel bodies of turboquant_mlx, written once for Metal and CUDA (see tq_portable.h).
 // Data layouts and op semantics: docs/ARCHITECTURE.md. Entry points: the Metal
-// [[kernel]] wrappers at the end of this file (instantiated in turboquant.metal) and
-// the CUDA __global__ wrappers in csrc/cuda/tq_entry.cuh.
+// [[kernel]] wrappers in turboquant.metal and the CUDA __global__ wrappers in
+// csrc/cuda/tq_entry.cuh.
 #pragma once
 
 #include "tq_params.h"
@@ -101,6 +102,36 @@ TQ_FN float tq_mask_value(const TQ_DEV uchar* mask, int kind, int64_t at, TQ_THR
     return tq_to_float(((const TQ_DEV ushort*)mask)[at]);
   }
   return 0.0f;
+}
+
+/// Applies the range, the causal limit and the mask to score `s` of query row `row`
+/// (clamped to the last row) of KV head `kvh` in batch `b` at key `tok` of a split
+/// ending at `t_end`: adds the mask's additive term (scaled by log2 e), or sets -inf
+/// for a key the row does not see. The attention kernels (this file's and
+/// csrc/cuda/attention_mma.cuh) call it on their checked steps only (CHECK).
+TQ_FN void tq_mask_score(
+    TQ_THR float& s,
+    const TQ_DEV uchar* mask,
+    TQ_CONST TQAttnParams& p,
+    int b,
+    int kvh,
+    int row,
+    int tok,
+    int t_end) {
+  const int rr = min(row, p.rows - 1);
+  const int qh = kvh * p.gqa + rr / p.q_len;
+  const int ql = rr % p.q_len;
+  const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
+  bool keep = tok < t_end && tok <= lim;
+  if (p.mask_kind != 0) {
+    bool mk;
+    const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] + ql * p.mask_stride[2] +
+        int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
+    const float add = tq_mask_value(mask, p.mask_kind, at, mk);
+    keep = keep && mk;
+    s += add * 1.4426950408889634f;
+  }
+  s = keep ? s : tq_neg_inf();
 }
 
 // ============================================================================ rotation
@@ -288,20 +319,7 @@ TQ_FN void tq_attn_step(
       const int tok = t0 + c.first + u * GS;
       TQ_UNROLL
       for (int r = 0; r < RC; ++r) {
-        const int rr = min(row0 + r, p.rows - 1);
-        const int qh = kvh * p.gqa + rr / p.q_len;
-        const int ql = rr % p.q_len;
-        const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
-        bool keep = tok < t_end && tok <= lim;
-        if (p.mask_kind != 0) {
-          bool mk;
-          const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] +
-              ql * p.mask_stride[2] + int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
-          const float add = tq_mask_value(mask, p.mask_kind, at, mk);
-          keep = keep && mk;
-          s[u][r] += add * 1.4426950408889634f;
-        }
-        s[u][r] = keep ? s[u][r] : tq_neg_inf();
+        tq_mask_score(s[u][r], mask, p, b, kvh, row0 + r, tok, t_end);
       }
     }
   }
@@ -1031,103 +1049,3 @@ TQ_FN void tq_copy_impl(
   }
   dst[p.dst_strided != 0 ? to : e] = src[at];
 }
-
-// ============================================================================ Metal entry points
-
-#if defined(TQ_METAL)
-
-template <typename QT, int D, int KB, int VB>
-[[kernel]] void tq_attention(
-    const device QT* q [[buffer(0)]],
-    const device uint* k_codes [[buffer(1)]],
-    const device half* k_scales [[buffer(2)]],
-    const device uint* v_codes [[buffer(3)]],
-    const device half* v_scales [[buffer(4)]],
-    const device float* k_cent [[buffer(5)]],
-    const device float* v_cent [[buffer(6)]],
-    const device uchar* mask [[buffer(7)]],
-    device float* out [[buffer(8)]],
-    device float* lse [[buffer(9)]],
-    device float* o_part [[buffer(10)]],
-    device float* ml_part [[buffer(11)]],
-    constant TQAttnParams& p [[buffer(12)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[TQAttnConfig<D>::SMEM];
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_attention_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, th);
-}
-
-template <typename QT, int D>
-[[kernel]] void tq_attention_merge(
-    const device float* o_part [[buffer(0)]],
-    const device float* ml_part [[buffer(1)]],
-    const device QT* q [[buffer(2)]],
-    const device QT* tail_k [[buffer(3)]],
-    const device QT* tail_v [[buffer(4)]],
-    const device float* key_mean [[buffer(5)]],
-    const device float* value_mean [[buffer(6)]],
-    device float* out [[buffer(7)]],
-    device float* lse [[buffer(8)]],
-    constant TQMergeParams& p [[buffer(9)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[TQ_MERGE_SMEM];
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_attention_merge_impl<QT, D>(
-      o_part, ml_part, q, tail_k, tail_v, key_mean, value_mean, out, lse, p, smem, th);
-}
-
-template <typename XT, int D, int B>
-[[kernel]] void tq_quantize(
-    const device XT* x [[buffer(0)]],
-    const device float* cent [[buffer(1)]],
-    const device float* mean [[buffer(2)]],
-    device uint* codes [[buffer(3)]],
-    device half* scales [[buffer(4)]],
-    constant TQQuantParams& p [[buffer(5)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, th);
-}
-
-template <typename OT, int B>
-[[kernel]] void tq_dequantize(
-    const device uint* codes [[buffer(0)]],
-    const device half* scales [[buffer(1)]],
-    const device float* cent [[buffer(2)]],
-    device OT* out [[buffer(3)]],
-    constant TQDequantParams& p [[buffer(4)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[16];
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_dequantize_impl<OT, B>(codes, scales, cent, out, p, smem, th);
-}
-
-template <typename T>
-[[kernel]] void tq_copy(
-    const device T* src [[buffer(0)]],
-    device T* dst [[buffer(1)]],
-    constant TQCopyParams& p [[buffer(2)]],
-    uint3 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]]) {
-  TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_copy_impl<T>(src, dst, p, th);
-}
-
-#endif // TQ_METAL

@@ -1,3 +1,4 @@
+// Layout: shared by the kernels (Metal and CUDA) and the host code.
 // Argument structs and compile-time shapes shared by the host code (csrc/cuda,
 // csrc/metal) and the kernels (tq_kernels.h). Plain data only: counts are int32,
 // strides are int64 and in elements, int64 fields come first so that Metal and C++

@@ -1,3 +1,4 @@
+// Layout: shared kernel code, compiled as Metal and as CUDA.
 // Portability layer: the few GPU facilities the kernel bodies in tq_kernels.h use,
 // spelled once for Metal (compiled by Apple's compiler into turboquant_mlx.metallib)
 // and once for CUDA (compiled by nvcc from csrc/cuda/*.cu). The kernel bodies use

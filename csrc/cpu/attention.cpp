@@ -1,3 +1,4 @@
+// Layout: host code, every build (CPU kernels).
 // Attention over the compressed cache on the CPU.
 //
 // Work is split into (batch, KV head, key chunk) items. Each item decodes every key

@@ -1,3 +1,4 @@
+// Layout: host code, every build (CPU kernels).
 // Scalar codec pieces shared by the CPU kernels. The packing is the LSB-first bit
 // stream of docs/ARCHITECTURE.md; on a little-endian CPU its bytes are the bytes of
 // the uint32 words in memory order, which is how the decoders read it.

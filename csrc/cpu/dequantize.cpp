@@ -1,3 +1,5 @@
+// Layout: host code, every build (CPU kernels).
+// Dequantize on the CPU.
 #include <algorithm>
 #include <vector>
 

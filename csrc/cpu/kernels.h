@@ -1,3 +1,4 @@
+// Layout: host code, every build (CPU kernels).
 // CPU backend of the primitives (eval_cpu).
 #pragma once
 

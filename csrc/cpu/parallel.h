@@ -1,3 +1,4 @@
+// Layout: host code, every build (CPU kernels).
 // A minimal parallel-for for the CPU kernels, which run inside one MLX CPU-stream task.
 #pragma once
 

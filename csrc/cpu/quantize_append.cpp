@@ -1,3 +1,5 @@
+// Layout: host code, every build (CPU kernels).
+// Quantize-and-append on the CPU.
 #include <stdexcept>
 
 #include <cstring>

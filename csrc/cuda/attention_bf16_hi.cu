@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel instantiations).
 // Attention kernels for bfloat16 (read as raw bits) queries, head dims 160..256, every bit-width pair.
 #include "tq_entry.cuh"
 

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel instantiations).
 // Attention kernels for bfloat16 (read as raw bits) queries, head dims 32..128, every bit-width pair.
 #include "tq_entry.cuh"
 

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel body).
 // Attention over the compressed cache on NVIDIA tensor cores (mma.sync m16n8k16,
 // float16 inputs, float32 accumulation): the CUDA fast path for float16 / bfloat16
 // queries and head dims 64, 128, 256. Same contract, grid and split-K partials as
@@ -43,7 +44,7 @@
 #include <cstdio> // (TQ_MMA_PROBE=3 prints)
 #include <type_traits>
 
-#include "tq_kernels.h" // tq_mask_value, tq_neg_inf, TQAttnParams
+#include "tq_kernels.h" // tq_mask_score, tq_neg_inf, TQAttnParams
 
 // Knobs for tuning builds (-DTURBOQUANT_MMA_TUNE="TQ_MMA_TILES=2;..." in CMake,
 // tools/mma_variants.sh); the defaults are what was measured and tested on an H200.
@@ -670,20 +671,8 @@ __device__ __forceinline__ void tq_mma_scores(
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = t0 + 16 * m + g + 8 * (i >> 1);
-          const int rr = min(row0 + nb * 8 + 2 * cc + (i & 1), p.rows - 1);
-          const int qh = kvh * p.gqa + rr / p.q_len;
-          const int ql = rr % p.q_len;
-          const int lim = p.causal ? p.kv_len - p.q_len + ql : p.kv_len;
-          bool keep = tok < t_end && tok <= lim;
-          if (p.mask_kind != 0) {
-            bool mk;
-            const int64_t at = b * p.mask_stride[0] + qh * p.mask_stride[1] +
-                ql * p.mask_stride[2] + int64_t(min(tok, t_end - 1)) * p.mask_stride[3];
-            const float add = tq_mask_value(mask, p.mask_kind, at, mk);
-            keep = keep && mk;
-            s[m][nb][i] += add * 1.4426950408889634f;
-          }
-          s[m][nb][i] = keep ? s[m][nb][i] : tq_neg_inf();
+          const int row = row0 + nb * 8 + 2 * cc + (i & 1);
+          tq_mask_score(s[m][nb][i], mask, p, b, kvh, row, tok, t_end);
         }
       }
     }

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel instantiations).
 // Tensor-core attention kernels for head dim 256 (see attention_mma.cuh).
 #include "attention_mma.cuh"
 

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel entry points).
 // CUDA entry point of the simdgroup-matrix attention kernel (metal/tq_attention_simd.h,
 // the Metal fast path): the very body Metal compiles, run here on the emulation of
 // simdgroup matrices in metal/tq_portable.h, so that the GPU tests exercise it

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel instantiations).
 // Simdgroup-matrix attention kernels for head dim 64 (see attention_simd.cuh).
 #include "attention_simd.cuh"
 

@@ -1,3 +1,4 @@
+# Layout: CUDA only (build).
 # CUDA backend: kernels (metal/tq_kernels.h, compiled by nvcc through the entry points
 # in this folder) launched through MLX's CUDA command encoder. Included from the
 # top-level CMakeLists.txt when TURBOQUANT_BUILD_CUDA is ON; needs an MLX build with

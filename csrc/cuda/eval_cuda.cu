@@ -1,3 +1,4 @@
+// Layout: CUDA only (host code).
 // GPU backend on MLX's CUDA build: picks the kernel instantiation, sizes the grid,
 // allocates outputs and records the launches in MLX's CUDA command encoder.
 //
@@ -25,8 +26,9 @@
 #include "attention_mma.cuh"
 #include "buffer_copies.h"
 #include "env.h"
-#include "message.h"
 #include "gpu.h"
+#include "gpu_params.h"
+#include "message.h"
 #include "tq_entry.cuh"
 
 namespace turboquant_mlx::gpu {
@@ -504,24 +506,6 @@ const void* simd_kernel_for(const mx::array& q, int d, int kb, int vb) {
   }
 }
 
-/// Splits of the keys so that at most `target` blocks (the resident ones) run, each
-/// split at least `min_steps` block iterations (`step` tokens each; the environment's
-/// TURBOQUANT_ATTN_MIN_STEPS overrides) long; returns (splits, split_len). Rounding up
-/// instead would start a second wave of a few blocks that doubles the kernel's time.
-std::pair<int, int> key_splits(int kv_len, int units, int target, int step, int min_steps) {
-  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
-  if (splits <= 0) {
-    splits = std::max(1, target / units);
-  }
-  const int min_split = std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", min_steps)) * step;
-  const int max_splits = std::max(1, (kv_len + min_split - 1) / min_split);
-  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
-  int split_len = (kv_len + splits - 1) / splits;
-  split_len = std::max(step, (split_len + step - 1) / step * step);
-  splits = std::max(1, (kv_len + split_len - 1) / split_len);
-  return {splits, split_len};
-}
-
 } // namespace
 
 bool available() {
@@ -579,22 +563,9 @@ PreparedPart prepare_part(
   const int head_dim = x.shape(3);
   const ck::QType xt = qtype_of(x.dtype());
   ck::TQQuantArgs a{};
-  TQQuantParams& p = a.p;
-  for (int ax = 0; ax < 3; ++ax) {
-    p.x_stride[ax] = x.strides()[ax];
-    p.c_stride[ax] = codes ? codes->strides()[ax] : 0;
-    p.s_stride[ax] = scales ? scales->strides()[ax] : 0;
-  }
-  p.batch = x.shape(0);
-  p.heads = x.shape(1);
-  p.length = x.shape(2);
-  p.offset = prim.offset();
-  p.write = prim.write_flags();
-  p.rot = kernel_rotation(part.rotation, head_dim);
+  a.p = quantize_params(prim, part, x, codes, scales, mean ? &*mean : nullptr);
+  const TQQuantParams& p = a.p;
   if (mean) {
-    p.mean_stride[0] = mean->strides()[0];
-    p.mean_stride[1] = mean->strides()[1];
-    p.centered = 1;
     a.mean = cptr<float>(*mean);
   }
   a.x = mx::gpu_ptr<void>(x);
@@ -690,12 +661,7 @@ void attention(
 
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = inputs[1].shape(1);
-  if (!ck::supported_head_dim(D)) {
-    throw std::invalid_argument(message(
-        "[turboquant_mlx.compressed_attention] the CUDA kernels support head dims that "
-        "are multiples of 32 in [32, 256], got ",
-        D, "."));
-  }
+  check_kernel_head_dim("compressed_attention", "CUDA", D);
   const int kb = ap.key_bits, vb = ap.value_bits;
   const int rows = (Hq / Hkv) * L;
   // Tensor-core path (float16/bfloat16 queries): 8 or (head dims <= 128) 16 query rows
@@ -732,45 +698,12 @@ void attention(
   allocate(out, enc);
   allocate(lse, enc);
 
-  TQAttnParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.q_stride[a] = qk.strides()[a];
-    p.kc_stride[a] = kc.strides()[a];
-    p.ks_stride[a] = ks.strides()[a];
-    p.vc_stride[a] = vc.strides()[a];
-    p.vs_stride[a] = vs.strides()[a];
-  }
-  p.batch = B;
-  p.q_heads = Hq;
-  p.kv_heads = Hkv;
-  p.q_len = L;
-  p.kv_len = ap.kv_len;
-  p.gqa = Hq / Hkv;
-  p.rows = rows;
+  TQAttnParams p =
+      attention_params(ap, qk, kc, ks, vc, vs, Hkv, ap.has_mask ? &inputs[7] : nullptr);
   const int chunk_rows = mma_sym != nullptr ? 8 * nrb : sh.RC;
   const int n_chunks = (p.rows + chunk_rows - 1) / chunk_rows;
   p.rows_per_tg = mma_sym != nullptr ? chunk_rows : (p.rows + n_chunks - 1) / n_chunks;
-  p.scale_log2 = ap.scale * 1.4426950408889634f;
-  p.causal = ap.causal ? 1 : 0;
-  p.rot = kernel_rotation(ap.rotation, D);
-
-  const unsigned char* mask_ptr = nullptr;
-  if (ap.has_mask) {
-    auto& m = inputs[7];
-    for (int a = 0; a < 4; ++a) {
-      p.mask_stride[a] = m.strides()[a];
-    }
-    switch (m.dtype()) {
-      case mx::bool_: p.mask_kind = 1; break;
-      case mx::float32: p.mask_kind = 2; break;
-      case mx::float16: p.mask_kind = 3; break;
-      case mx::bfloat16: p.mask_kind = 4; break;
-      default:
-        throw std::invalid_argument(
-            "[turboquant_mlx.compressed_attention] mask must be bool or floating point.");
-    }
-    mask_ptr = cptr<unsigned char>(m);
-  }
+  const unsigned char* mask_ptr = ap.has_mask ? cptr<unsigned char>(inputs[7]) : nullptr;
 
   // Split the keys so that the grid fills the GPU: SIMT kernel about twice over (2
   // threadgroups of ~240 registers per thread fit an SM; measured on an H200: 2-4 per
@@ -782,9 +715,13 @@ void attention(
   const int sms = sm_count(enc.device().cuda_device());
   const int target =
       env_int("TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
-  auto [splits, split_len] = mma_sym != nullptr
-      ? key_splits(ap.kv_len, units, target, msh.step, 1)
-      : key_splits(ap.kv_len, units, target, sh.STEP, 2);
+  // At most `target` blocks (the resident ones): rounding up would start a second wave.
+  // TURBOQUANT_ATTN_MIN_STEPS overrides the least block iterations per split.
+  const int step = mma_sym != nullptr ? msh.step : sh.STEP;
+  const int min_steps =
+      std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", mma_sym != nullptr ? 1 : 2));
+  const auto [splits, split_len] =
+      key_splits(ap.kv_len, units, target, step, min_steps * step, SplitRounding::down);
   p.n_splits = splits;
   p.split_len = split_len;
   // The merge attends to the tail, rotates the output back to model space and adds
@@ -987,18 +924,7 @@ void dequantize(
   auto& out = outputs[0];
   allocate(out, enc);
 
-  TQDequantParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.c_stride[a] = codes.strides()[a];
-    p.s_stride[a] = scales.strides()[a];
-  }
-  p.batch = out.shape(0);
-  p.heads = out.shape(1);
-  p.start = prim.start();
-  p.length = prim.length();
-  p.head_dim = out.shape(3);
-  p.before = prim.before();
-  p.out_tokens = out.shape(2);
+  TQDequantParams p = dequantize_params(prim, codes, scales, out); // (the encoder takes lvalues)
   const int64_t total = int64_t(out.size());
   if (total == 0) {
     return;

@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel instantiations).
 // Split-K merge, quantize, dequantize and copy kernels.
 #include "tq_entry.cuh"
 

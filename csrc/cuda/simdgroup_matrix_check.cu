@@ -1,3 +1,4 @@
+// Layout: CUDA only (a test kernel and its host code).
 // A test of the CUDA emulation of Metal's simdgroup matrices (metal/tq_portable.h)
 // against plain inputs: one warp runs each operation the simdgroup-matrix kernels use
 // and hands back what every lane holds and what was stored, for tests/test_gpu.py to

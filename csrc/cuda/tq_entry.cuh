@@ -1,3 +1,4 @@
+// Layout: CUDA only (kernel entry points).
 // CUDA entry points: thin __global__ wrappers over the shared kernel bodies in
 // metal/tq_kernels.h (the same code the Metal build instantiates), plus the table
 // through which the host code finds the instantiation it needs.
@@ -126,11 +127,6 @@ __global__ void __launch_bounds__(TQ_COPY_THREADS) tq_copy_pair_kernel(
 
 // Query element types, as the kernels read them.
 enum class QType { Float32 = 0, Float16 = 1, BFloat16 = 2 };
-
-/// Head dims with compiled kernels: multiples of 32 from 32 to 256.
-inline bool supported_head_dim(int d) {
-  return d >= 32 && d <= 256 && d % 32 == 0;
-}
 
 // Host-side lookup of instantiations, defined in separate .cu files (per query type
 // and head-dim range) so that the many instantiations compile in parallel. Each returns

@@ -1,7 +1,9 @@
+// Layout: Metal only (host code).
 // GPU backend on MLX's Metal build (macOS): names the kernel instantiation of
 // metal/turboquant.metal, takes its pipeline from MLX's per-library cache, binds the
 // buffers and dispatches. The kernel bodies are the ones the CUDA build runs
-// (metal/tq_kernels.h); the grid and split-K logic mirror csrc/cuda/eval_cuda.cu.
+// (metal/tq_kernels.h), their arguments and the split of the keys the ones it fills
+// (csrc/gpu_params.h).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "buffer_copies.h"
 #include "env.h"
 #include "gpu.h"
+#include "gpu_params.h"
 #include "tq_params.h"
 
 namespace turboquant_mlx::gpu {
@@ -38,10 +41,6 @@ const std::string& binary_dir() {
 MTL::ComputePipelineState* get_kernel(mx::metal::Device& d, const std::string& name) {
   auto* lib = d.get_library("turboquant_mlx", binary_dir());
   return d.get_kernel(name, lib);
-}
-
-bool supported_head_dim(int d) {
-  return d >= 32 && d <= 256 && d % 32 == 0;
 }
 
 const char* type_name(mx::Dtype t) {
@@ -229,36 +228,20 @@ void quantize_append_part(
   const mx::array x = last_axis_contiguous(in[nb], d, s);
   auto& cent = in[nb + 1];
   const int head_dim = x.shape(3);
-  if (!supported_head_dim(head_dim)) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx.quantize_append] the Metal kernels support head dims that are "
-           "multiples of 32 in [32, 256], got "
-        << head_dim << ".";
-    throw std::invalid_argument(msg.str());
-  }
-  TQQuantParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.x_stride[a] = x.strides()[a];
-    p.c_stride[a] = prim.writes_codes() ? codes.strides()[a] : 0;
-    p.s_stride[a] = prim.writes_scales() ? scales.strides()[a] : 0;
-  }
-  p.batch = x.shape(0);
-  p.heads = x.shape(1);
-  p.length = x.shape(2);
-  p.offset = prim.offset();
-  p.write = prim.write_flags();
-  p.rot = kernel_rotation(part.rotation, head_dim);
-  const int64_t n = int64_t(p.batch) * p.heads * p.length;
+  check_kernel_head_dim("quantize_append", "Metal", head_dim);
+  const int64_t n = int64_t(x.shape(0)) * x.shape(1) * x.shape(2);
   if (n == 0) {
     return;
   }
   // Without a mean, slot 2 is bound to the centroids and never read.
   const mx::array mean = part.centered ? row_contiguous(in[nb + 2], d, s) : cent;
-  if (part.centered) {
-    p.mean_stride[0] = mean.strides()[0];
-    p.mean_stride[1] = mean.strides()[1];
-    p.centered = 1;
-  }
+  const TQQuantParams p = quantize_params(
+      prim,
+      part,
+      x,
+      prim.writes_codes() ? &codes : nullptr,
+      prim.writes_scales() ? &scales : nullptr,
+      part.centered ? &mean : nullptr);
   std::ostringstream name;
   name << "tq_quantize_"
        << (x.dtype() == mx::float16       ? "float16"
@@ -290,34 +273,15 @@ void attention(
   auto& lse = outputs[1];
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hkv = inputs[1].shape(1);
-  if (!supported_head_dim(D)) {
-    std::ostringstream msg;
-    msg << "[turboquant_mlx.compressed_attention] the Metal kernels support head dims that "
-           "are multiples of 32 in [32, 256], got "
-        << D << ".";
-    throw std::invalid_argument(msg.str());
-  }
+  check_kernel_head_dim("compressed_attention", "Metal", D);
   AttnShape sh = attn_shape(D);
   const mx::array kc = readable_codes(inputs[1], sh.DL, ap.key_bits, d, s);
   const mx::array vc = readable_codes(inputs[3], sh.DL, ap.value_bits, d, s);
   out.set_data(mx::allocator::malloc(out.nbytes()));
   lse.set_data(mx::allocator::malloc(lse.nbytes()));
 
-  TQAttnParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.q_stride[a] = q.strides()[a];
-    p.kc_stride[a] = kc.strides()[a];
-    p.ks_stride[a] = inputs[2].strides()[a];
-    p.vc_stride[a] = vc.strides()[a];
-    p.vs_stride[a] = inputs[4].strides()[a];
-  }
-  p.batch = B;
-  p.q_heads = Hq;
-  p.kv_heads = Hkv;
-  p.q_len = L;
-  p.kv_len = ap.kv_len;
-  p.gqa = Hq / Hkv;
-  p.rows = p.gqa * L;
+  TQAttnParams p = attention_params(
+      ap, q, kc, inputs[2], vc, inputs[4], Hkv, ap.has_mask ? &inputs[7] : nullptr);
   // The simdgroup-matrix kernel takes up to 8 query rows per threadgroup (a fragment's
   // rows: a GQA group at decode), the portable one sh.RC; both in steps of `step` keys.
   const bool simd = simd_attention(q.dtype(), D);
@@ -325,39 +289,14 @@ void attention(
   const int step = simd ? TQ_ATTN_SIMD_STEP : sh.STEP;
   const int n_chunks = (p.rows + chunk_rows - 1) / chunk_rows;
   p.rows_per_tg = (p.rows + n_chunks - 1) / n_chunks;
-  p.scale_log2 = ap.scale * 1.4426950408889634f;
-  p.causal = ap.causal ? 1 : 0;
-  p.rot = kernel_rotation(ap.rotation, D);
-  if (ap.has_mask) {
-    auto& m = inputs[7];
-    for (int a = 0; a < 4; ++a) {
-      p.mask_stride[a] = m.strides()[a];
-    }
-    switch (m.dtype()) {
-      case mx::bool_: p.mask_kind = 1; break;
-      case mx::float32: p.mask_kind = 2; break;
-      case mx::float16: p.mask_kind = 3; break;
-      case mx::bfloat16: p.mask_kind = 4; break;
-      default:
-        throw std::invalid_argument(
-            "[turboquant_mlx.compressed_attention] mask must be bool or floating point.");
-    }
-  }
 
   // Split the keys over enough threadgroups to keep every GPU core busy; Apple GPUs
   // have 8 to 80 cores, so aim for a few hundred threadgroups (not tuned on hardware).
   const int units = B * Hkv * n_chunks;
   const int target = env_int("TURBOQUANT_ATTN_CTAS", 512);
-  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
-  if (splits <= 0) {
-    splits = (target + units - 1) / units;
-  }
-  const int min_split = 2 * step;
-  const int max_splits = std::max(1, (ap.kv_len + min_split - 1) / min_split);
-  splits = std::max(1, std::min({splits, max_splits, TQ_MAX_SPLITS}));
-  int split_len = (ap.kv_len + splits - 1) / splits;
-  split_len = std::max(step, (split_len + step - 1) / step * step);
-  splits = std::max(1, (ap.kv_len + split_len - 1) / split_len);
+  // (splits of at least two iterations)
+  const auto [splits, split_len] =
+      key_splits(ap.kv_len, units, target, step, 2 * step, SplitRounding::up);
   p.n_splits = splits;
   p.split_len = split_len;
   // The merge attends to the tail, rotates the output back to model space and adds
@@ -451,18 +390,7 @@ void dequantize(
   auto& scales = inputs[1];
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  TQDequantParams p{};
-  for (int a = 0; a < 3; ++a) {
-    p.c_stride[a] = codes.strides()[a];
-    p.s_stride[a] = scales.strides()[a];
-  }
-  p.batch = out.shape(0);
-  p.heads = out.shape(1);
-  p.start = prim.start();
-  p.length = prim.length();
-  p.head_dim = out.shape(3);
-  p.before = prim.before();
-  p.out_tokens = out.shape(2);
+  const TQDequantParams p = dequantize_params(prim, codes, scales, out);
   const int64_t total = int64_t(out.size());
   if (total == 0) {
     return;

@@ -1,3 +1,4 @@
+# Layout: Metal only (build).
 # Metal backend (macOS): builds turboquant_mlx.metallib from metal/turboquant.metal
 # with MLX's mlx_build_metallib (flags: -fno-fast-math, C++17 extensions allowed) and
 # adds the host code that dispatches its kernels. Included from the top-level
@@ -9,7 +10,8 @@ mlx_build_metallib(
   TITLE turboquant_mlx
   SOURCES ${_tq_metal_dir}/turboquant.metal
   INCLUDE_DIRS ${_tq_metal_dir} ${CMAKE_CURRENT_LIST_DIR}/..
-  DEPS ${_tq_metal_dir}/tq_kernels.h ${_tq_metal_dir}/tq_portable.h ${_tq_metal_dir}/tq_params.h
+  DEPS ${_tq_metal_dir}/tq_kernels.h ${_tq_metal_dir}/tq_attention_simd.h
+       ${_tq_metal_dir}/tq_portable.h ${_tq_metal_dir}/tq_params.h
   OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
 add_dependencies(turboquant_core turboquant_metallib)
 
