@@ -151,7 +151,8 @@ class CalibrationMixin:
                     self._q_energy / self._q_count, mx.mean(k * k, axis=2)
                 )
         self._calib_undo = (S + m, hk, hv, self._q_marks, self._q_energy, self._q_count)
-        self._calib_in_prompt = end is None and self._last_block > self.decode_max_queries
+        # (_fresh: the last update was a prompt block, whose queries are calibrating.)
+        self._calib_in_prompt = end is None and self._fresh is not None
         self._calibrated = True
         self._drop_code_space()
         self._q_energy, self._q_count, self._q_marks = None, 0, []

@@ -249,7 +249,6 @@ class TurboQuantKVCache(
         # drops it: held for longer, it doubled a short prompt's memory).
         self._calib_undo = None
         self._calib_in_prompt = False
-        self._last_block = 0  # tokens of the last update
 
     def _init_codec(self, head_dim: int):
         """Sets up the codec for the model's head dim (stored padded if need be)."""
@@ -370,7 +369,6 @@ class TurboQuantKVCache(
         if t < L:
             self._store(keys[:, :, t:] if t else keys, values[:, :, t:] if t else values, P + t)
         self.offset = P + L
-        self._last_block = L
         undo = self._calib_undo
         if undo is not None and self.offset - undo[0] >= self.rollback_tokens:
             self._calib_undo = None  # no trim of up to rollback_tokens reaches back there
