@@ -103,13 +103,19 @@ def add_common_args(p):
                    help="prompt tokens per forward pass (mlx-lm's prefill_step_size)")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="length of each cache's warm-up prompt (default: 2 * block + 1)")
+    add_device_args(p)
+
+
+def add_device_args(p):
+    """--device, --dtype, --markdown-out, --jsonl, --seed (``setup_device`` reads the
+    first two)."""
     p.add_argument("--device", choices=("gpu", "cpu"), default=None,
                    help="default: gpu if MLX has one")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="activations and fp16-cache dtype (default: float16 on the GPU, "
                         "float32 on the CPU)")
     p.add_argument("--markdown-out", default=None,
-                   help="write the table (markdown) to this file, rewritten after each row")
+                   help="write the tables (markdown) to this file, rewritten after each row")
     p.add_argument("--jsonl", default=None,
                    help="append each measured row to this file as one JSON object")
     p.add_argument("--seed", type=int, default=0)
@@ -141,7 +147,7 @@ def setup_device(a):
     mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
     if a.dtype is None:
         a.dtype = "float16" if a.device == "gpu" else "float32"
-    if a.warmup_tokens is None:
+    if getattr(a, "block", None) and a.warmup_tokens is None:  # (prompt benchmarks)
         a.warmup_tokens = 2 * a.block + 1
     return getattr(mx, a.dtype)
 

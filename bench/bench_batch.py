@@ -116,18 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache fill call")
     p.add_argument("--budget-gib", type=float, default=64.0,
                    help="memory budget of the second table, GiB (default 64)")
-    p.add_argument("--device", choices=("gpu", "cpu"), default=None,
-                   help="default: gpu if MLX has one")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
-                   help="activations and KV dtype (default: float16 on the GPU, float32 "
-                        "on the CPU)")
-    p.add_argument("--markdown-out", default=None,
-                   help="write both tables (markdown) to this file, rewritten after each row")
-    p.add_argument("--jsonl", default=None,
-                   help="append each measured row to this file as one JSON object")
+    _long.add_device_args(p)
     p.add_argument("--memory-unit", choices=("GiB", "MiB"), default="GiB",
                    help="unit of the memory columns (MiB for small models)")
-    p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("model (bench_decode.build_model; Llama-3-8B shape)")
     g.add_argument("--layers", type=int, default=32)
     g.add_argument("--hidden", type=int, default=4096)
@@ -223,12 +214,7 @@ def fit_budget(rows, weights, budget):
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.device is None:
-        a.device = "gpu" if mx.is_available(mx.gpu) else "cpu"
-    mx.set_default_device(mx.gpu if a.device == "gpu" else mx.cpu)
-    if a.dtype is None:
-        a.dtype = "float16" if a.device == "gpu" else "float32"
-    dtype = getattr(mx, a.dtype)
+    dtype = _long.setup_device(a)
     contexts = [int(x) for x in _long.split_names(a.contexts)]
     batches = [int(x) for x in _long.split_names(a.batches)]
     names = _long.split_names(a.caches)
