@@ -43,6 +43,11 @@ def _batched(model, prompts, preset, n, **kwargs):
     gen = BatchGenerator(model, stop_tokens=None, **kwargs)
     uids = gen.insert(prompts, [n] * len(prompts),
                       caches=[make_prompt_cache(model, preset=preset) for _ in prompts])
+    return _generated(gen, uids)
+
+
+def _generated(gen, uids):
+    """Every row's tokens and logprobs until ``gen`` is done, in ``uids`` order."""
     toks = {u: [] for u in uids}
     logps = {u: [] for u in uids}
     while responses := gen.next_generated():
@@ -345,24 +350,18 @@ def test_batch_continues_caches_with_history(preset):
         filled.append(cache)
     gen = BatchGenerator(model, stop_tokens=None)
     uids = gen.insert(suffixes, [n] * 3, caches=copy.deepcopy(filled))
-    toks = {u: [] for u in uids}
-    logps = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            toks[r.uid].append(r.token)
-            logps[r.uid].append(np.array(r.logprobs))
-    gen.close()
-    for i, u in enumerate(uids):
+    toks, logps = _generated(gen, uids)
+    for i in range(len(uids)):
         cache = copy.deepcopy(filled[i])
         alone = [(int(t), np.array(lp)) for (t, lp), _ in zip(
             generate_step(mx.array(suffixes[i]), model, prompt_cache=cache, max_tokens=n),
             range(n))]
         for s, (t, lp) in enumerate(alone):
             msg = f"row {i} step {s}"
-            np.testing.assert_allclose(logps[u][s], lp, atol=LOGIT_ATOL, rtol=0, err_msg=msg)
-            if toks[u][s] != t:
+            np.testing.assert_allclose(logps[i][s], lp, atol=LOGIT_ATOL, rtol=0, err_msg=msg)
+            if toks[i][s] != t:
                 top2 = np.sort(lp)[-2:]
-                assert top2[1] - top2[0] <= 2 * np.abs(logps[u][s] - lp).max(), msg
+                assert top2[1] - top2[0] <= 2 * np.abs(logps[i][s] - lp).max(), msg
                 break
 
 
