@@ -263,8 +263,13 @@ NB_MODULE(_ext, m) {
       "dtype"_a = mlx::core::float32,
       "before"_a = 0,
       "after"_a = 0,
+      "prefix"_a = nb::none(),
+      "suffix"_a = nb::none(),
+      "into"_a = nb::none(),
       "stream"_a = nb::none(),
       "Decode tokens [start, start + length) to rotated-space vectors of dtype at slots\n"
       "[before, before + length) of a (B, H, before + length + after, D) array whose other\n"
-      "slots are zero.");
+      "slots are zero, or the rows of prefix (B, H, before, D) / suffix (B, H, after, D)\n"
+      "where given. into: a row-contiguous array of dtype with at least as many elements;\n"
+      "the result is written into its buffer (a temporary reused call after call).");
 }

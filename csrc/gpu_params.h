@@ -205,6 +205,8 @@ inline TQDequantParams dequantize_params(
   p.head_dim = out.shape(3);
   p.before = prim.before();
   p.out_tokens = out.shape(2);
+  p.has_prefix = prim.prefix_input() >= 0;
+  p.has_suffix = prim.suffix_input() >= 0;
   return p;
 }
 

@@ -780,6 +780,9 @@ mx::array dequantize(
     mx::Dtype dtype,
     int before,
     int after,
+    const std::optional<mx::array>& prefix,
+    const std::optional<mx::array>& suffix,
+    const std::optional<mx::array>& into,
     mx::StreamOrDevice s) {
   constexpr const char* op = "dequantize";
   int capacity = check_cache(op, "cache", codes, scales, centroids, bits);
@@ -797,20 +800,65 @@ mx::array dequantize(
   if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) {
     fail(op, "dtype must be float32, float16 or bfloat16, got ", dtype_str(dtype), ".");
   }
+  const int head_dim = codes.shape(3) * 32 / bits;
+  // prefix / suffix give the slots around the decoded tokens their rows (and their count).
+  auto check_rows = [&](const char* what, const std::optional<mx::array>& rows, int& slots) {
+    if (!rows) {
+      return;
+    }
+    const mx::Shape want{codes.shape(0), codes.shape(1), rows->ndim() == 4 ? rows->shape(2) : 0,
+                         head_dim};
+    if (rows->shape() != want) {
+      fail(op, what, " must have shape (", want[0], ", ", want[1], ", n, ", head_dim,
+           ") to match the cache, got ", shape_str(rows->shape()), ".");
+    }
+    if (rows->dtype() != dtype) {
+      fail(op, what, " must have the output's dtype ", dtype_str(dtype), ", got ",
+           dtype_str(rows->dtype()), ".");
+    }
+    if (slots != 0 && slots != rows->shape(2)) {
+      fail(op, what, " has ", rows->shape(2), " tokens but ", slots, " slots were asked for.");
+    }
+    slots = rows->shape(2);
+  };
+  check_rows("prefix", prefix, before);
+  check_rows("suffix", suffix, after);
   const int64_t slots = static_cast<int64_t>(before) + length + after;
   if (before < 0 || after < 0 || slots > std::numeric_limits<int>::max()) {
     fail(op, "before and after must be >= 0 with before + length + after < 2^31, got before ",
          before, ", after ", after, " for ", length, " tokens.");
   }
   auto stream = mx::to_stream(s);
-  int head_dim = codes.shape(3) * 32 / bits;
+  const mx::Shape shape{codes.shape(0), codes.shape(1), static_cast<int>(slots), head_dim};
+  std::vector<mx::array> inputs{
+      mx::contiguous(codes, false, stream),
+      mx::contiguous(scales, false, stream),
+      mx::astype(centroids, mx::float32, stream)};
+  if (prefix) {
+    inputs.push_back(mx::contiguous(*prefix, false, stream));
+  }
+  if (suffix) {
+    inputs.push_back(mx::contiguous(*suffix, false, stream));
+  }
+  if (into) {
+    const int64_t need = static_cast<int64_t>(shape[0]) * shape[1] * shape[2] * shape[3];
+    if (into->dtype() != dtype || static_cast<int64_t>(into->size()) < need) {
+      fail(op, "into must be a ", dtype_str(dtype), " array of at least ", need,
+           " elements, got ", dtype_str(into->dtype()), " with ", into->size(), ".");
+    }
+    // (a copy would defeat the reuse: the buffer itself is written)
+    if (into->is_available() && !into->flags().row_contiguous) {
+      fail(op, "into must be row-contiguous.");
+    }
+    inputs.push_back(*into);
+  }
   return mx::array(
-      {codes.shape(0), codes.shape(1), static_cast<int>(slots), head_dim},
+      shape,
       dtype,
-      std::make_shared<Dequantize>(stream, bits, start, length, before, after),
-      {mx::contiguous(codes, false, stream),
-       mx::contiguous(scales, false, stream),
-       mx::astype(centroids, mx::float32, stream)});
+      std::make_shared<Dequantize>(
+          stream, bits, start, length, before, after, prefix.has_value(), suffix.has_value(),
+          into.has_value()),
+      std::move(inputs));
 }
 
 } // namespace turboquant_mlx

@@ -154,7 +154,15 @@ std::vector<mx::array> compressed_attention(
 
 /// Decodes tokens [start, start + length) into rotated-space vectors of `dtype`
 /// (float32, float16 or bfloat16), at slots [before, before + length) of a
-/// (B, H, before + length + after, D) array whose other slots are zero.
+/// (B, H, before + length + after, D) array whose other slots are zero, or the rows of
+/// `prefix` (B, H, before, D) and `suffix` (B, H, after, D) where given (in `dtype`).
+///
+/// `into` (row-contiguous, `dtype`, at least as many elements as the result): the
+/// result is written into its buffer and is a view of it, so that one temporary serves
+/// every call (the prefill's keys and values, layer after layer). Every array sharing
+/// that buffer sees the write: the caller orders the call after the last reader of
+/// the previous contents (the prefill's next layer depends on the previous layer's
+/// attention through its inputs).
 mx::array dequantize(
     const mx::array& codes,
     const mx::array& scales,
@@ -165,6 +173,9 @@ mx::array dequantize(
     mx::Dtype dtype = mx::float32,
     int before = 0,
     int after = 0,
+    const std::optional<mx::array>& prefix = std::nullopt,
+    const std::optional<mx::array>& suffix = std::nullopt,
+    const std::optional<mx::array>& into = std::nullopt,
     mx::StreamOrDevice s = {});
 
 } // namespace turboquant_mlx

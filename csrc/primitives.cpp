@@ -231,7 +231,8 @@ void Dequantize::eval_gpu(
 bool Dequantize::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Dequantize&>(other);
   return bits_ == o.bits_ && start_ == o.start_ && length_ == o.length_ &&
-      before_ == o.before_ && after_ == o.after_;
+      before_ == o.before_ && after_ == o.after_ && prefix_ == o.prefix_ &&
+      suffix_ == o.suffix_ && into_ == o.into_;
 }
 
 std::vector<mx::Shape> Dequantize::output_shapes(const std::vector<mx::array>& inputs) {

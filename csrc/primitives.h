@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string_view>
 #include <vector>
 
@@ -349,19 +350,36 @@ class CompressedAttention : public mx::Primitive {
 };
 
 /// Decodes tokens start..start+length-1 of one cache buffer into rotated-space vectors,
-/// at slots [before, before + length) of an output with `after` more slots; the slots
-/// around them are zero (the prefill writes its fp16 tokens there, in place).
-/// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, centroids (2^b) f32
-/// outputs: (B,H,before+length+after,D) f32, f16 or bf16
+/// at slots [before, before + length) of an output with `after` more slots. The slots
+/// around them take the rows of `prefix` / `suffix` where given (the prefill's fp16
+/// tokens), else zeros.
+/// inputs:  codes (B,H,cap,W) u32, scales (B,H,cap) f16, centroids (2^b) f32,
+///          then, where the flags say so: prefix (B,H,before,D), suffix (B,H,after,D)
+///          (row-contiguous, the output's dtype), into (row-contiguous, the output's
+///          dtype, >= the output's size)
+/// outputs: (B,H,before+length+after,D) f32, f16 or bf16; with `into` a view of its
+///          buffer (written in place: a reused temporary, see ops.h)
 class Dequantize : public mx::Primitive {
  public:
-  Dequantize(mx::Stream stream, int bits, int start, int length, int before, int after)
+  Dequantize(
+      mx::Stream stream,
+      int bits,
+      int start,
+      int length,
+      int before,
+      int after,
+      bool prefix = false,
+      bool suffix = false,
+      bool into = false)
       : mx::Primitive(stream),
         bits_(bits),
         start_(start),
         length_(length),
         before_(before),
-        after_(after) {}
+        after_(after),
+        prefix_(prefix),
+        suffix_(suffix),
+        into_(into) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
       override;
@@ -386,6 +404,36 @@ class Dequantize : public mx::Primitive {
   int before() const {
     return before_;
   }
+  /// Input index of prefix / suffix / into, or -1 where absent.
+  int prefix_input() const {
+    return prefix_ ? 3 : -1;
+  }
+  int suffix_input() const {
+    return suffix_ ? 3 + prefix_ : -1;
+  }
+  int into_input() const {
+    return into_ ? 3 + prefix_ + suffix_ : -1;
+  }
+
+  /// Gives `out` its buffer: a view of the `into` input's where there is one (the
+  /// reused temporary), else a new allocation from `alloc`.
+  template <typename Alloc>
+  void place_output(const std::vector<mx::array>& inputs, mx::array& out, Alloc&& alloc) const {
+    if (into_) {
+      if (!inputs[into_input()].flags().row_contiguous) {
+        throw std::invalid_argument("[turboquant_mlx.dequantize] into must be row-contiguous.");
+      }
+      mx::Strides strides(out.ndim(), 1);
+      for (int a = out.ndim() - 2; a >= 0; --a) {
+        strides[a] = strides[a + 1] * out.shape(a + 1);
+      }
+      mx::array::Flags flags{};
+      flags.contiguous = flags.row_contiguous = true;
+      out.copy_shared_buffer(inputs[into_input()], strides, flags, out.size(), 0);
+    } else {
+      alloc(out);
+    }
+  }
 
  private:
   int bits_;
@@ -393,6 +441,9 @@ class Dequantize : public mx::Primitive {
   int length_;
   int before_;
   int after_;
+  bool prefix_;
+  bool suffix_;
+  bool into_;
 };
 
 } // namespace turboquant_mlx

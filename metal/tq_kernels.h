@@ -981,9 +981,12 @@ TQ_FN void tq_quantize_impl(
 
 /// Rotated-space vectors of tokens [start, start + length): out = scale * C[code], in
 /// out's type (OT: float, half, or bfloat16 as raw ushort bits), written at slots
-/// [before, before + length) of each head's out_tokens slots; the slots around them are
-/// zeroed (the prefill fills them with its fp16 tokens). One thread per output element.
+/// [before, before + length) of each head's out_tokens slots; the slots around them
+/// copy the rows of prefix / suffix (the prefill's fp16 tokens, in OT) or are zeroed.
+/// One thread per output element.
 ///   codes (batch, heads, cap, W) uint, scales (batch, heads, cap) half, cent (2^B) float
+///   prefix (batch, heads, before, head_dim), suffix (batch, heads, after, head_dim):
+///     row-contiguous, read only where p.has_prefix / p.has_suffix
 ///   out (batch, heads, out_tokens, head_dim), row-contiguous
 /// Grid: ceil(total / TQ_DEQUANT_THREADS) threadgroups; smem: 16 floats.
 template <typename OT, int B>
@@ -991,6 +994,8 @@ TQ_FN void tq_dequantize_impl(
     const TQ_DEV tq_uint* TQ_RESTRICT codes,
     const TQ_DEV tq_half* TQ_RESTRICT scales,
     const TQ_DEV float* TQ_RESTRICT cent,
+    const TQ_DEV OT* TQ_RESTRICT prefix,
+    const TQ_DEV OT* TQ_RESTRICT suffix,
     TQ_DEV OT* TQ_RESTRICT out,
     TQ_CONST TQDequantParams& p,
     TQ_TG float* smem,
@@ -1007,12 +1012,26 @@ TQ_FN void tq_dequantize_impl(
   const int d = int(e % p.head_dim);
   const int64_t tv = e / p.head_dim;
   const int t = int(tv % p.out_tokens) - p.before;
-  if (t < 0 || t >= p.length) {
-    tq_store_out(out + e, 0.0f);
+  const int64_t bh = tv / p.out_tokens; // b * heads + h
+  if (t < 0) {
+    if (p.has_prefix != 0) {
+      out[e] = prefix[(bh * p.before + (t + p.before)) * p.head_dim + d];
+    } else {
+      tq_store_out(out + e, 0.0f);
+    }
     return;
   }
-  const int h = int((tv / p.out_tokens) % p.heads);
-  const int b = int(tv / (int64_t(p.out_tokens) * p.heads));
+  if (t >= p.length) {
+    const int after = p.out_tokens - p.before - p.length;
+    if (p.has_suffix != 0) {
+      out[e] = suffix[(bh * after + (t - p.length)) * p.head_dim + d];
+    } else {
+      tq_store_out(out + e, 0.0f);
+    }
+    return;
+  }
+  const int h = int(bh % p.heads);
+  const int b = int(bh / p.heads);
   const int64_t tok = int64_t(p.start) + t;
   const TQ_DEV tq_uint* cw = codes + b * p.c_stride[0] + h * p.c_stride[1] + tok * p.c_stride[2];
   const int bit = d * B;

@@ -145,7 +145,7 @@ struct TQQuantParams {
 };
 
 /// Dequantize tokens [start, start + length) into slots [before, before + length) of
-/// out (batch, heads, out_tokens, D); the other slots are zero.
+/// out (batch, heads, out_tokens, D); the other slots are the prefix / suffix rows or zero.
 struct TQDequantParams {
   int64_t c_stride[3]; // codes: batch, head, token (words)
   int64_t s_stride[3]; // scales: batch, head, token
@@ -156,6 +156,8 @@ struct TQDequantParams {
   int head_dim;
   int before; // first output slot of the decoded tokens
   int out_tokens; // output slots per head: before + length + after
+  int has_prefix; // 1: slots [0, before) copy prefix (batch, heads, before, D), else zeros
+  int has_suffix; // 1: slots [before + length, out_tokens) copy suffix, else zeros
 };
 
 /// Strided gather of up to 4 axes into a row-contiguous buffer, or (dst_strided) into

@@ -89,13 +89,15 @@ template <typename OT, int B>
     const device float* cent [[buffer(2)]],
     device OT* out [[buffer(3)]],
     constant TQDequantParams& p [[buffer(4)]],
+    const device OT* prefix [[buffer(5)]],
+    const device OT* suffix [[buffer(6)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[16];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_dequantize_impl<OT, B>(codes, scales, cent, out, p, smem, th);
+  tq_dequantize_impl<OT, B>(codes, scales, cent, prefix, suffix, out, p, smem, th);
 }
 
 template <typename T>

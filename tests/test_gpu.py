@@ -363,6 +363,18 @@ def test_dequantize_matches_cpu(head_dim, bits):
         assert got.dtype == dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                       np.array(want.astype(mx.float32)))
+        # ... and with the rows around the tokens copied in, into a reused buffer.
+        prefix = mx.array(rng.standard_normal((2, 3, 4, head_dim))).astype(dtype)
+        suffix = mx.array(rng.standard_normal((2, 3, 37, head_dim))).astype(dtype)
+        into = mx.full((2 * 3 * 70 * head_dim,), 5.0, dtype)
+        mx.eval(prefix, suffix, into)
+        got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, dtype=dtype,
+                             prefix=prefix, suffix=suffix, into=into, stream=gpu())
+        want = mx.concatenate([prefix, want[:, :, 4:33], suffix], axis=2)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)))
+        np.testing.assert_array_equal(np.array(into[: got.size].astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)).reshape(-1))
 
 
 def test_cuda_pool_counts_and_bounds_what_it_keeps():

@@ -644,6 +644,43 @@ def test_dequantize_into_half_precision_slots(bits, dtype):
             assert not got[:, :, :before].any() and not got[:, :, before + length :].any()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_copies_rows_around_the_tokens_into_a_reused_buffer(bits, dtype):
+    # The prefill's form: the fp16 rows before and after the decoded tokens copied in by
+    # the same call, written into a reused flat buffer ("into") that the result views;
+    # against NumPy's concatenation of the reference decode and the rows.
+    rng = np.random.default_rng(10 + bits)
+    batch, heads, capacity, head_dim = 2, 3, 21, 64
+    codes = rng.integers(0, 1 << bits, (batch, heads, capacity, head_dim))
+    scales = rng.uniform(0.0, 40.0, (batch, heads, capacity)).astype(np.float16)
+    c = centroids_np(head_dim, bits)
+    decoded = np.array(mx.array(reference.dequantize(codes, scales, c)).astype(dtype)
+                       .astype(mx.float32))
+    codes_mx, scales_mx = mx_cache(reference.pack(codes, bits), scales)
+    into = mx.full((batch * heads * 40 * head_dim + 7,), 3.0, dtype)
+    mx.eval(into)
+    for start, length, nb, na in ((0, capacity, 4, 9), (5, 7, 0, 3), (2, 6, 5, 0), (1, 0, 2, 2)):
+        prefix = mx.array(rng.standard_normal((batch, heads, nb, head_dim))).astype(dtype)
+        suffix = mx.array(rng.standard_normal((batch, heads, na, head_dim))).astype(dtype)
+        want = np.concatenate([np.array(prefix.astype(mx.float32)),
+                               decoded[:, :, start : start + length],
+                               np.array(suffix.astype(mx.float32))], axis=2)
+        rows = dict(prefix=prefix if nb else None, suffix=suffix if na else None)
+        for got in (ops.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length,
+                                   dtype=dtype, before=nb, after=na, into=into, **rows),
+                    fallback.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length,
+                                        dtype, nb, na, **rows)):
+            assert got.dtype == dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    # The result is a view of the buffer: the buffer holds it at its start.
+    got = ops.dequantize(codes_mx, scales_mx, mx.array(c), bits, 0, capacity, dtype=dtype,
+                         into=into)
+    mx.eval(got)
+    np.testing.assert_array_equal(np.array(into[: got.size].astype(mx.float32)),
+                                  np.array(got.astype(mx.float32)).reshape(-1))
+
+
 def test_dequantize_refuses_bad_output_arguments():
     rng = np.random.default_rng(0)
     words, scales, _ = reference_cache(rng, 1, 2, 8, 8, 64, 4)
@@ -655,6 +692,17 @@ def test_dequantize_refuses_bad_output_arguments():
         ops.dequantize(*args, before=-1)
     with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\].*after -2"):
         ops.dequantize(*args, after=-2)
+    rows = mx.zeros((1, 2, 3, 64), mx.float32)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] prefix must have shape"):
+        ops.dequantize(*args, prefix=mx.zeros((1, 2, 3, 32)))
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] suffix must have the output"):
+        ops.dequantize(*args, dtype=mx.float16, suffix=rows)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] prefix has 3 tokens but 2"):
+        ops.dequantize(*args, before=2, prefix=rows)
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] into must be a float32"):
+        ops.dequantize(*args, into=mx.zeros((2 * 8 * 64 - 1,)))
+    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] into must be a float32"):
+        ops.dequantize(*args, into=mx.zeros((2 * 8 * 64,), mx.float16))
 
 
 def test_dequantize_window_ignores_poison_and_strided_buffers():

@@ -20,12 +20,19 @@ void dequantize(
   auto& scales = inputs[1];
   auto& centroids = inputs[2];
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  prim.place_output(inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
+  const mx::array* prefix = prim.prefix_input() < 0 ? nullptr : &inputs[prim.prefix_input()];
+  const mx::array* suffix = prim.suffix_input() < 0 ? nullptr : &inputs[prim.suffix_input()];
 
   auto& encoder = mx::cpu::get_command_encoder(s);
   encoder.set_input_array(codes);
   encoder.set_input_array(scales);
   encoder.set_input_array(centroids);
+  for (auto* rows : {prefix, suffix}) {
+    if (rows) {
+      encoder.set_input_array(*rows);
+    }
+  }
   encoder.set_output_array(out);
 
   int bh_count = codes.shape(0) * codes.shape(1);
@@ -33,6 +40,8 @@ void dequantize(
   int slots = out.shape(2), head_dim = out.shape(3);
   auto run = [&]<typename OT>(OT* out_ptr) {
     encoder.dispatch([codes_ptr = codes.data<uint32_t>(),
+                      prefix_ptr = prefix ? prefix->data<OT>() : nullptr,
+                      suffix_ptr = suffix ? suffix->data<OT>() : nullptr,
                       scales_ptr = scales.data<mx::float16_t>(),
                       c_ptr = centroids.data<float>(),
                       out_ptr,
@@ -49,11 +58,17 @@ void dequantize(
         Decoder<BITS> decoder(c_ptr);
         parallel_for(bh_count, [&](int bh) {
           OT* head = out_ptr + static_cast<int64_t>(bh) * slots * head_dim;
-          std::fill(head, head + static_cast<int64_t>(before) * head_dim, OT(0.0f));
-          std::fill(
-              head + static_cast<int64_t>(before + length) * head_dim,
-              head + static_cast<int64_t>(slots) * head_dim,
-              OT(0.0f));
+          // The slots around the decoded tokens: the prefix / suffix rows, else zeros.
+          auto fill = [&](OT* dst, const OT* rows, int64_t n) {
+            if (rows) {
+              std::copy(rows + static_cast<int64_t>(bh) * n, rows + static_cast<int64_t>(bh + 1) * n, dst);
+            } else {
+              std::fill(dst, dst + n, OT(0.0f));
+            }
+          };
+          fill(head, prefix_ptr, static_cast<int64_t>(before) * head_dim);
+          fill(head + static_cast<int64_t>(before + length) * head_dim, suffix_ptr,
+               static_cast<int64_t>(slots - before - length) * head_dim);
           std::vector<float> row(head_dim);
           for (int t = 0; t < length; ++t) {
             int64_t slot = static_cast<int64_t>(bh) * capacity + start + t;

@@ -922,7 +922,7 @@ void dequantize(
   auto& scales = inputs[1];
   auto& cent = inputs[2];
   auto& out = outputs[0];
-  allocate(out, enc);
+  prim.place_output(inputs, out, [&](mx::array& a) { allocate(a, enc); });
 
   TQDequantParams p = dequantize_params(prim, codes, scales, out); // (the encoder takes lvalues)
   const int64_t total = int64_t(out.size());
@@ -933,13 +933,22 @@ void dequantize(
   enc.set_input_array(codes);
   enc.set_input_array(scales);
   enc.set_input_array(cent);
+  const void* rows[2] = {nullptr, nullptr}; // prefix, suffix
+  for (int i = 0; i < 2; ++i) {
+    const int at = i == 0 ? prim.prefix_input() : prim.suffix_input();
+    if (at >= 0) {
+      enc.set_input_array(inputs[at]);
+      rows[i] = mx::gpu_ptr<void>(inputs[at]);
+    }
+  }
   enc.set_output_array(out);
   const unsigned int* cp = cptr<unsigned int>(codes);
   const void* sp = mx::gpu_ptr<void>(scales);
   const float* tp = cptr<float>(cent);
   void* outp = mptr<void>(out);
   dim3 grid(static_cast<unsigned>((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS));
-  enc.add_kernel_node_ex(f, grid, dim3(TQ_DEQUANT_THREADS), dim3(), 0u, cp, sp, tp, outp, p);
+  enc.add_kernel_node_ex(
+      f, grid, dim3(TQ_DEQUANT_THREADS), dim3(), 0u, cp, sp, tp, rows[0], rows[1], outp, p);
 }
 
 } // namespace turboquant_mlx::gpu

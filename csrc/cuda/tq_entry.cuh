@@ -74,10 +74,12 @@ __global__ void __launch_bounds__(TQ_DEQUANT_THREADS) tq_dequantize_kernel(
     const unsigned int* __restrict__ codes,
     const __half* __restrict__ scales,
     const float* __restrict__ cent,
+    const OT* __restrict__ prefix,
+    const OT* __restrict__ suffix,
     OT* __restrict__ out,
     const __grid_constant__ TQDequantParams p) {
   __shared__ float smem[16];
-  tq_dequantize_impl<OT, B>(codes, scales, cent, out, p, smem, tq_thread());
+  tq_dequantize_impl<OT, B>(codes, scales, cent, prefix, suffix, out, p, smem, tq_thread());
 }
 
 template <typename T>

@@ -389,7 +389,7 @@ void dequantize(
   auto& codes = inputs[0];
   auto& scales = inputs[1];
   auto& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  prim.place_output(inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
   const TQDequantParams p = dequantize_params(prim, codes, scales, out);
   const int64_t total = int64_t(out.size());
   if (total == 0) {
@@ -404,6 +404,11 @@ void dequantize(
   enc.set_input_array(inputs[2], 2);
   enc.set_output_array(out, 3);
   enc.set_bytes(p, 4);
+  // An absent prefix / suffix binds the codes (never read: p.has_prefix / has_suffix).
+  const int rows[2] = {prim.prefix_input(), prim.suffix_input()};
+  for (int i = 0; i < 2; ++i) {
+    enc.set_input_array(inputs[rows[i] >= 0 ? rows[i] : 0], 5 + i);
+  }
   enc.dispatch_threadgroups(
       MTL::Size((total + TQ_DEQUANT_THREADS - 1) / TQ_DEQUANT_THREADS, 1, 1),
       MTL::Size(TQ_DEQUANT_THREADS, 1, 1));

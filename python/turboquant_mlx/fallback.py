@@ -137,17 +137,23 @@ def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int, *,
 
 
 def dequantize(codes, scales, centroids, bits: int, start: int, length: int,
-               dtype=mx.float32, before: int = 0, after: int = 0):
+               dtype=mx.float32, before: int = 0, after: int = 0, prefix=None, suffix=None):
     """Rotated-space vectors of tokens [start, start+length) in ``dtype``, at slots
-    [before, before+length) of (B, H, before+length+after, D), zeros elsewhere."""
+    [before, before+length) of (B, H, before+length+after, D); the other slots are the
+    rows of ``prefix`` / ``suffix`` where given, else zeros. (The kernels' ``into``, a
+    reused output buffer, has no counterpart here: the result is a new array.)"""
     head_dim = codes.shape[-1] * 32 // bits
     words = codes[:, :, start : start + length, :]
     idx = unpack(words, bits, head_dim)
     values = centroids.astype(mx.float32)[idx]
     out = (values * scales[:, :, start : start + length, None].astype(mx.float32)).astype(dtype)
+    before = prefix.shape[2] if prefix is not None else before
+    after = suffix.shape[2] if suffix is not None else after
     if before or after:
-        out = mx.pad(out, [(0, 0), (0, 0), (before, after), (0, 0)])
-    return out
+        out = mx.pad(out, [(0, 0), (0, 0), (0 if prefix is not None else before,
+                                            0 if suffix is not None else after), (0, 0)])
+    parts = [x for x in (prefix, out, suffix) if x is not None]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
 def compressed_attention(

@@ -37,7 +37,7 @@ from .attention import ensure_hook, register_cache_class
 from .calibration import CalibrationMixin
 from .codespace import _fused_all_finite
 from .decode import DecodeMixin
-from .prefill import PrefillMixin
+from .prefill import PrefillMixin, release_scratch
 from .rotation import Rotation
 from .state import StateMixin
 from .storage import StorageMixin
@@ -463,6 +463,7 @@ class TurboQuantKVCache(
         if D != self._head_dim:  # padded queries: dot products unchanged
             queries = _pad_last(queries, self._head_dim)
         if L <= self.decode_max_queries:
+            release_scratch()  # the prompt is read: its temporaries go
             if not self._calibrated:
                 out = self._attend_calibrating(queries, scale, mask, sinks)
             else:

@@ -394,20 +394,29 @@ def compressed_attention(
 
 
 def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *,
-               dtype=mx.float32, before: int = 0, after: int = 0, stream=None):
+               dtype=mx.float32, before: int = 0, after: int = 0, prefix=None,
+               suffix=None, into=None, stream=None):
     """Rotated-space vectors of tokens ``[start, start+length)`` in ``dtype``.
 
     Returns ``(B, H, before + length + after, D)``: the decoded tokens at slots
-    ``[before, before + length)``, zeros elsewhere. The slots around them let a caller
-    add its own tokens with in-place slice updates instead of a concatenation that
-    would copy the decoded tokens again (the prefill's keys and values).
+    ``[before, before + length)``; the slots around them are the rows of ``prefix``
+    ``(B, H, before, D)`` and ``suffix`` ``(B, H, after, D)`` (in ``dtype``; their token
+    counts set ``before`` / ``after``), or zeros. The prefill joins its fp16 tokens to the
+    decoded ones this way, in the same pass.
+
+    ``into``: a row-contiguous ``dtype`` array of at least the result's size; the
+    kernels write the result into its buffer and return a view of it, so one temporary
+    serves call after call. Whatever else shares that buffer sees the write: the caller
+    makes the call depend on the last reader of the previous contents. Without kernels
+    it is ignored (the result is a new array).
     """
     if _has_kernels(stream, "dequantize"):
         return _ext.dequantize(codes, scales, centroids, bits, start, length, dtype=dtype,
-                               before=before, after=after, stream=stream)
+                               before=before, after=after, prefix=prefix, suffix=suffix,
+                               into=into, stream=stream)
     with mx.stream(stream) if stream is not None else _nullcontext():
         return fallback.dequantize(codes, scales, centroids, bits, start, length, dtype,
-                                   before, after)
+                                   before, after, prefix, suffix)
 
 
 class _nullcontext:

@@ -8,11 +8,42 @@ once per layer (:meth:`PrefillMixin._attend_prefill`).
 
 import mlx.core as mx
 
-from . import codespace
+from . import codespace, ops
 from .codespace import (
     _fused_queries_to_codes, _fused_tail_decode_output, _fused_to_code_space,
     _queries_to_codes, _tail_decode_output, _to_code_space,
 )
+
+
+# The prefill's key and value temporaries, one pair per dtype for the whole process:
+# every layer's keys and values are decoded into the same two buffers (ops.dequantize's
+# ``into``), so the temporary stays one layer's worth however many layers the GPU has in
+# flight. Reuse is safe because a layer's decode reads the block's new tokens, which
+# come from the previous layer's attention output: it runs after that attention has
+# read the buffers. Released by the first decode step (release_scratch).
+_scratch = {}
+_SCRATCH_GROWTH = 1.25  # grow ahead of the prompt: one allocation per ~25% of context
+
+
+def scratch_buffers(dtype, k_size, v_size):
+    """The reused ``(keys, values)`` buffers of ``dtype`` holding at least
+    ``k_size`` / ``v_size`` elements (flat, evaluated, row-contiguous)."""
+    bufs = _scratch.get(dtype)
+    if bufs is None or bufs[0].size < k_size or bufs[1].size < v_size:
+        grown = [max(need, int(_SCRATCH_GROWTH * need),
+                     0 if bufs is None else old.size)
+                 for need, old in zip((k_size, v_size), bufs or (None, None))]
+        bufs = None  # (the old pair goes before the new one is made)
+        _scratch.pop(dtype, None)
+        bufs = tuple(mx.zeros((n,), dtype) for n in grown)
+        mx.eval(bufs)
+        _scratch[dtype] = bufs
+    return bufs
+
+
+def release_scratch():
+    """Frees the prefill's temporaries (the prompt is read; a decode step follows)."""
+    _scratch.clear()
 
 
 class PrefillMixin:
@@ -105,19 +136,24 @@ class PrefillMixin:
         if n_comp == 0:
             k, v = code_space(segments)
         else:
-            # Sinks before the compressed tokens, window and fresh block after them: the
-            # kernel leaves their slots free and they are written in place.
+            # Sinks before the compressed tokens, window and fresh block after them,
+            # copied by the decoding kernel in the same pass, straight into the reused
+            # temporaries: nothing of this size is allocated per layer.
             before_k, before_v = code_space([g for g in segments if g[2] < S])
             after_k, after_v = code_space([g for g in segments if g[2] >= S])
             nb = 0 if before_k is None else before_k.shape[2]
             na = 0 if after_k is None else after_k.shape[2]
-            k, v = self._decoded(0, n_comp, dtype=dtype, before=nb, after=na)
-            if nb:
-                k[:, :, :nb] = before_k
-                v[:, :, :nb] = before_v
-            if na:
-                k[:, :, nb + n_comp :] = after_k
-                v[:, :, nb + n_comp :] = after_v
+            B, H = self._k_codes.shape[:2]
+            Dk = self._k_codes.shape[3] * 32 // self.key_bits
+            Dv = self._v_codes.shape[3] * 32 // self.value_bits
+            slots = nb + n_comp + na
+            into_k, into_v = scratch_buffers(dtype, B * H * slots * Dk, B * H * slots * Dv)
+            k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids,
+                               self.key_bits, 0, n_comp, dtype=dtype, prefix=before_k,
+                               suffix=after_k, into=into_k)
+            v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
+                               self.value_bits, 0, n_comp, dtype=dtype, prefix=before_v,
+                               suffix=after_v, into=into_v)
         centered = self._mu_k is not None
         if centered and uncentered:
             mu_k, mu_v = _to_code_space(self._mu_k, self._mu_v, None, None, self._key_scale,
