@@ -87,26 +87,39 @@ def run_one(a):
     _profiler(False)
 
 
-def ncu_call_time(args, calls, cache_control="all"):
-    """(µs per call, {kernel: µs per call}) of one `--one` configuration under ncu."""
+INST = "smsp__inst_executed.sum"  # warp-level instructions issued and executed
+
+
+def ncu_call_time(args, calls, cache_control="all", kernel=None):
+    """(µs per call, {kernel: µs per call}, warp instructions per call) of one `--one`
+    configuration under ncu; `kernel` sets TURBOQUANT_CUDA_ATTENTION (None: the default
+    selection, the tensor-core kernel where it applies)."""
     cmd = [
         "ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache_control,
-        "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base",
+        "--metrics", f"gpu__time_duration.sum,{INST}", "--csv", "--print-units", "base",
         sys.executable, os.path.abspath(__file__), "--calls", str(calls), *args,
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ)
+    env.pop("TURBOQUANT_CUDA_ATTENTION", None)
+    if kernel:
+        env["TURBOQUANT_CUDA_ATTENTION"] = kernel
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith('"')]
     if not rows:
         raise RuntimeError(f"ncu gave no kernels for {args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    per_kernel = {}
+    per_kernel, inst = {}, 0.0
     for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        value = float(r["Metric Value"].replace(",", ""))
+        if r.get("Metric Name") == INST:
+            inst += value / calls
+            continue
         if r.get("Metric Name") != "gpu__time_duration.sum":
             continue
         name = r["Kernel Name"].split("(")[0].split("<")[0].strip()
-        per_kernel.setdefault(name, []).append(float(r["Metric Value"].replace(",", "")) * 1e-3)
+        per_kernel.setdefault(name, []).append(value * 1e-3)
     # launches per call x median duration, per kernel name
     parts = {k: len(v) / calls * statistics.median(v) for k, v in per_kernel.items()}
-    return sum(parts.values()), parts
+    return sum(parts.values()), parts, inst
 
 
 def driver(a):
@@ -123,7 +136,7 @@ def driver(a):
     shapes = [(32, 8, 128)]
     if a.d256:
         shapes += [(16, 4, 256), (16, 2, 256)]
-    for hq, hkv, d in shapes:
+    for hq, hkv, d in [] if a.kernels_only else shapes:
         shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
         l2 = "L2 flushed before each kernel" if a.cache_control == "all" else "L2 not flushed"
         print(f"\n### Device time per call (ncu, {l2}), B=1, {hq}q/{hkv}kv d{d}, one query token\n")
@@ -140,12 +153,12 @@ def driver(a):
                 if a.no_sdpa:
                     t_sdpa, parts_sdpa = math.nan, {}
                 else:
-                    t_sdpa, parts_sdpa = ncu_call_time(
+                    t_sdpa, parts_sdpa, _ = ncu_call_time(
                         ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control)
                 t_sdpa_runs.append(t_sdpa)
                 details.append(f"sdpa {t_sdpa:.1f} {parts_sdpa}")
                 for kb, vb in pairs:
-                    t, parts = ncu_call_time(
+                    t, parts, _ = ncu_call_time(
                         ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
                          "--tail", str(a.tail), *shape]
                         + (["--op-rotation"] if a.op_rotation else [])
@@ -168,6 +181,39 @@ def driver(a):
             print(line, flush=True)
             for x in details:
                 print(f"    {n // 1024}k {x}", file=sys.stderr)
+    if a.kernels:
+        kernel_table(a, lengths, pairs)
+
+
+def kernel_table(a, lengths, pairs):
+    """Device time and instructions per compressed coordinate of each attention kernel
+    of `--kernels` (TURBOQUANT_CUDA_ATTENTION values), against fp16 SDPA."""
+    kernels = a.kernels.split(",")
+    for hq, hkv, d in [(32, 8, 128)] + ([(16, 2, 256)] if a.d256 else []):
+        shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
+        print(f"\n### Attention kernels compared (ncu), B=1, {hq}q/{hkv}kv d{d}, one query "
+              "token; inst/coord = warp instructions x 32 / (KV heads x context x D x 2)\n")
+        print("| context | bits | kernel | µs | × fp16 SDPA | warp inst | inst/coord |")
+        print("|---:|---|---|---:|---:|---:|---:|")
+        for n in lengths:
+            t_sdpa, _, _ = ncu_call_time(["--one", "sdpa", "--context", str(n), *shape],
+                                         a.calls, a.cache_control)
+            coords = hkv * n * d * 2
+            for kb, vb in pairs:
+                for kernel in kernels:
+                    try:
+                        t, parts, inst = ncu_call_time(
+                            ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
+                             "--tail", str(a.tail), *shape], a.calls, a.cache_control,
+                            kernel=None if kernel == "default" else kernel)
+                    except Exception as e:  # noqa: BLE001 (one failed kernel keeps the table)
+                        print(f"| {n // 1024}k | K{kb}V{vb} | {kernel} | failed: "
+                              f"{str(e).splitlines()[0][:80]} | | | |", flush=True)
+                        continue
+                    print(f"| {n // 1024}k | K{kb}V{vb} | {kernel} | {t:.1f} | {t_sdpa / t:.2f} | "
+                          f"{inst:.3g} | {inst * 32 / coords:.2f} |", flush=True)
+                    print(f"    {n // 1024}k K{kb}V{vb} {kernel}: " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in parts.items()), file=sys.stderr)
 
 
 def main():
@@ -193,6 +239,13 @@ def main():
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
     p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")
     p.add_argument("--no-sdpa", action="store_true", help="skip fp16 SDPA (ratios print nan)")
+    p.add_argument("--kernels", default="",
+                   help="also compare these attention kernels (TURBOQUANT_CUDA_ATTENTION "
+                        "values: simt = the portable kernel, simd = the Metal simdgroup-matrix "
+                        "kernel through its CUDA emulation, default = the tensor-core kernel) "
+                        "by device time and instructions per coordinate")
+    p.add_argument("--kernels-only", action="store_true",
+                   help="print only the --kernels table")
     p.add_argument("--cache-control", choices=("all", "none"), default="all",
                    help="ncu's --cache-control: all = L2 flushed before every kernel (the "
                         "default: each kernel reads everything from device memory, also the "

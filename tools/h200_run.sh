@@ -174,18 +174,20 @@ step_bench() {
 # (bench/long_context.py, TQ_LONG_ARGS), each row printed as it is measured.
 step_prefill() {
   (cd tests && run_step prefill_tests "$(budget "${TQ_PREFILL_TEST_TIMEOUT:-150}")" python3 -m pytest -q -ra \
-    -p no:cacheprovider --device gpu test_cache.py test_integration.py test_gpu.py \
-    -k "prefill or dequantize or attention_matches or half_precision or logits_match")
+    -p no:cacheprovider --device gpu ${TQ_PREFILL_TEST_ARGS:-test_cache.py test_integration.py test_gpu.py \
+    -k "prefill or dequantize or attention_matches or half_precision or logits_match"})
   tail -5 "$OUT/prefill_tests.log"
-  run_step prefill_bench "$(budget "${TQ_PREFILL_BENCH_TIMEOUT:-300}")" python3 bench/bench_prefill.py \
-    --markdown-out "$OUT/prefill.md" ${TQ_PREFILL_ARGS:-}
-  grep -E "^\||Error|error" "$OUT/prefill_bench.log" | tail -40
+  run_step "prefill_bench${TQ_PREFILL_TAG:-}" "$(budget "${TQ_PREFILL_BENCH_TIMEOUT:-300}")" \
+    python3 bench/bench_prefill.py --markdown-out "$OUT/prefill${TQ_PREFILL_TAG:-}.md" ${TQ_PREFILL_ARGS:-}
+  grep -E "^\||Error|error" "$OUT/prefill_bench${TQ_PREFILL_TAG:-}.log" | tail -40
 }
 
+# TQ_LONG_TAG: a suffix for the log and table names (several runs in one call).
 step_long() {
-  run_step long_context "$(budget "${TQ_LONG_TIMEOUT:-540}")" python3 bench/long_context.py \
-    --markdown-out "$OUT/long_context.md" ${TQ_LONG_ARGS:-}
-  grep -E "^\||Error|error" "$OUT/long_context.log" | tail -40
+  local name="long_context${TQ_LONG_TAG:-}"
+  run_step "$name" "$(budget "${TQ_LONG_TIMEOUT:-540}")" python3 bench/long_context.py \
+    --markdown-out "$OUT/$name.md" ${TQ_LONG_ARGS:-}
+  grep -E "^\||Error|error" "$OUT/$name.log" | tail -40
 }
 
 # Batched decode (bench/bench_batch.py, TQ_BATCH_ARGS): total tokens/s at batch 1, 4
