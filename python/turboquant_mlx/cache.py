@@ -64,7 +64,7 @@ model's dtype and in code space, into one buffer of the layer's keys and one of 
 values that also take the fp16 segments (transformed as the codec transforms what it
 quantizes), and runs MLX's fused attention on them with the queries in code space
 (:meth:`TurboQuantKVCache._attend_prefill`): the temporary is one layer's keys and
-values, freed before the next layer, never a full-precision copy of the cache. Decode
+values, one buffer pair reused by every layer, never a full-precision copy of the cache. Decode
 and verification queries see every token through the stored (quantized or fp16)
 representation, as a generated token does: each query of a verification block sees the
 cache as a single-token step at its position would (the tokens before ``p + 1 - R``
