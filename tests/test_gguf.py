@@ -162,6 +162,29 @@ def test_model_without_tokenizer_is_the_same_model(smollm2):
     np.testing.assert_array_equal(np.array(model(x)), np.array(bare(x)))
 
 
+def test_dequantized_load_holds_the_quantized_weights_decoded(smollm2):
+    """dequantize=True: every quantized module becomes a plain one whose weight is
+    exactly MLX's dequantization of the quantized module's codes, and the logits are
+    the quantized model's (up to the matmul paths' rounding)."""
+    import mlx.nn as nn
+
+    model, tok = smollm2
+    plain, _ = gguf.load_gguf(_smollm2_path(), tokenizer=False, dequantize=True)
+    quantized = {n: m for n, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    assert quantized
+    modules = dict(plain.named_modules())
+    for name, q in quantized.items():
+        p = modules[name]
+        assert isinstance(p, (nn.Linear, nn.Embedding)) and p.weight.dtype == mx.float32
+        want = mx.dequantize(q.weight, q.scales, q.biases, q.group_size, q.bits)
+        np.testing.assert_array_equal(np.array(p.weight), np.array(want))
+    x = mx.array(tok.encode("Free software is a matter of liberty, not price."))[None]
+    a, b = np.asarray(model(x)), np.asarray(plain(x))
+    assert np.max(np.abs(a - b)) < 1e-3 * np.max(np.abs(a))
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
 def _bench_quality():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "quality.py")
     spec = importlib.util.spec_from_file_location("_bench_quality", path)

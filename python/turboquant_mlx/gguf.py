@@ -423,6 +423,7 @@ def load_gguf(
     traditional_rope: bool = False,
     lazy: bool = False,
     tokenizer: bool = True,
+    dequantize: bool = False,
 ) -> Tuple[nn.Module, Any]:
     """Load a llama-architecture GGUF into mlx-lm's llama ``Model``.
 
@@ -443,6 +444,11 @@ def load_gguf(
         lazy: leave the parameters unevaluated.
         tokenizer: build the tokenizer (needs ``tokenizers`` and ``transformers``);
             False returns ``None`` in its place.
+        dequantize: load the tensors stored quantized as plain ``dtype`` weights
+            (``nn.Linear`` / ``nn.Embedding``). On the CPU with a fast BLAS,
+            float32 matrix products are many times faster than MLX's quantized
+            ones for prompt blocks (the demo's choice); memory grows to 4 bytes
+            per parameter.
 
     Returns:
         ``(model, tokenizer)``: an ``mlx_lm.models.llama.Model`` (in eval mode)
@@ -500,7 +506,17 @@ def load_gguf(
             if packed is None or mod_path not in modules:
                 raise GGUFError(path, f"tensor {key!r}", "orphan quantization scales")
             qparams[mod_path] = _quant_params(modules[mod_path], packed, weights[key], key, path)
-    nn.quantize(model, class_predicate=lambda p, m: qparams.get(p, False))
+    if dequantize:
+        for mod_path, q in qparams.items():
+            packed = weights.pop(mod_path + ".weight")
+            # (scales and biases in dtype first, as the quantized modules hold them)
+            scales = weights.pop(mod_path + ".scales").astype(dtype)
+            biases = weights.pop(mod_path + ".biases", None)
+            biases = None if biases is None else biases.astype(dtype)
+            weights[mod_path + ".weight"] = mx.dequantize(
+                packed, scales, biases, q["group_size"], q["bits"]).astype(dtype)
+    else:
+        nn.quantize(model, class_predicate=lambda p, m: qparams.get(p, False))
 
     weights = {
         k: (v if v.dtype in (mx.uint32, mx.uint8) else v.astype(dtype))
