@@ -206,6 +206,49 @@ def test_merge_attention_matches_float64_rows(cfg):
         np.testing.assert_allclose(out[b], one[0], atol=2e-5, rtol=1e-4)
 
 
+def test_prompt_block_scores_go_in_chunks_within_the_budget():
+    # A prompt block over the rows' history materializes its scores; within
+    # prefill_budget_bytes they go in query chunks, with the same output as one chunk.
+    lengths = (41, 170, 300)
+    singles = [_filled_single(TQ4, n, seed=20 + i) for i, n in enumerate(lengths)]
+    rng = np.random.default_rng(9)
+    L = 24
+    k = mx.array(rng.standard_normal((3, 2, L, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((3, 2, L, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((3, 4, L, 64)).astype(np.float32))
+    outs = []
+    for budget in (1 << 30, 3 * 4 * 3 * 4 * 400 * 5):  # one chunk; chunks of ~5 queries
+        batch = TurboQuantKVCache.merge(copy.deepcopy(singles))
+        batch.prefill_budget_bytes = budget
+        batch.update_and_fetch(k, v)
+        outs.append(np.array(batch.attention(q, 0.125, "causal")))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-6, rtol=1e-5)
+
+
+def test_dense_attention_in_query_chunks_matches_float64():
+    from turboquant_mlx.attention import dense_attention
+
+    rng = np.random.default_rng(4)
+    B, Hq, H, L, N, D = 2, 4, 2, 13, 50, 32
+    q = rng.standard_normal((B, Hq, L, D))
+    k = rng.standard_normal((B, H, N, D))
+    v = rng.standard_normal((B, H, N, D))
+    keep = rng.random((B, 1, L, N)) < 0.8
+    keep[..., 0] = True
+    for mask in (keep, keep[:, :, :1]):  # per query, and the same for every query
+        out, lse = dense_attention(mx.array(q, mx.float32), mx.array(k, mx.float32),
+                                   mx.array(v, mx.float32), 0.2, mx.array(mask),
+                                   max_score_bytes=B * Hq * N * 4 * 3 * 4)  # 4 queries
+        m = np.broadcast_to(mask, (B, Hq, L, N))
+        s = np.einsum("bhld,bhnd->bhln", q, np.repeat(k, 2, axis=1)) * 0.2
+        s = np.where(m, s, -np.inf)
+        want_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+        p = np.exp(s - want_lse[..., None])
+        want = np.einsum("bhln,bhnd->bhld", p, np.repeat(v, 2, axis=1))
+        np.testing.assert_allclose(np.array(out), want, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(lse), want_lse, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("cfg", [TQ4, PLAIN], ids=["tq4", "k3v3-plain"])
 def test_merge_extract_round_trip_and_decode(cfg):
     lengths = (2, 37, 75)

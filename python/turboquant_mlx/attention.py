@@ -96,7 +96,8 @@ def merge_attention(parts: Sequence[Tuple[mx.array, mx.array]]):
     return out, m + mx.log(total)
 
 
-def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None):
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
+                    max_score_bytes: Optional[int] = None):
     """Attention with its log-sum-exp, on uncompressed keys and values.
 
     Args:
@@ -105,6 +106,10 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
         scale: Score scale.
         mask: ``None``, or a bool (True = keep) or additive array broadcastable to
             ``(B, Hq, L, N)``.
+        max_score_bytes: the queries go in chunks whose float32 scores (with their
+            exponentials and probabilities) stay within this many bytes; None: one
+            chunk. A long prompt block over a long cache would otherwise materialize
+            ``B * Hq * L * N`` floats at once.
 
     Returns:
         ``out`` ``(B, Hq, L, D)`` and ``lse`` ``(B, Hq, L)``, float32. Rows without a
@@ -112,6 +117,18 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
     """
     B, n_q, L, D = q.shape
     n_kv, N = k.shape[1], k.shape[2]
+    if max_score_bytes is not None:
+        chunk = max(1, max_score_bytes // max(1, B * n_q * N * 4 * 3))
+        if chunk < L:
+            parts = []
+            for a in range(0, L, chunk):
+                b = min(a + chunk, L)
+                m = mask
+                if mask is not None and mask.ndim >= 2 and mask.shape[-2] == L:
+                    m = mask[..., a:b, :]
+                parts.append(dense_attention(q[:, :, a:b], k, v, scale, m))
+            return (mx.concatenate([o for o, _ in parts], axis=2),
+                    mx.concatenate([x for _, x in parts], axis=2))
     G = n_q // n_kv
     qf = q.astype(mx.float32).reshape(B, n_kv, G, L, D)
     kf = k.astype(mx.float32)[:, :, None]

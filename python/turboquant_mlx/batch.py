@@ -85,6 +85,9 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
 
     step = 256  # capacity granularity of the buffers (tokens)
     decode_max_queries = 8  # the op's most queries per call
+    # A prompt block's scores over the rows' columns are materialized in query chunks
+    # within this many bytes (as the single cache's prefill_budget_bytes).
+    prefill_budget_bytes = 1 << 30
 
     def __init__(self, settings: dict, left_padding: List[int], window_dtype=None):
         self._settings = dict(settings)

@@ -145,7 +145,8 @@ class _BatchAttention:
         if self.center:
             k = k + self._mu_k
             v = v + self._mu_v
-        return dense_attention(queries, k, v, scale, self._comp_mask(L, lo, mask, a))
+        return dense_attention(queries, k, v, scale, self._comp_mask(L, lo, mask, a),
+                               max_score_bytes=self.prefill_budget_bytes)
 
     def _dense_part(self, queries, scale, mask):
         """``(out, lse)`` over the sinks and the fp16 columns each row sees."""
@@ -179,4 +180,5 @@ class _BatchAttention:
             v = mx.concatenate([self._sv, v], axis=2)
             keep = mx.concatenate([s_keep, mx.broadcast_to(keep, s_keep.shape[:3]
                                                            + keep.shape[3:])], axis=-1)
-        return dense_attention(queries, k, v, scale, keep)
+        return dense_attention(queries, k, v, scale, keep,
+                               max_score_bytes=self.prefill_budget_bytes)
