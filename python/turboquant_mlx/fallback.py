@@ -147,13 +147,13 @@ def dequantize(codes, scales, centroids, bits: int, start: int, length: int,
     idx = unpack(words, bits, head_dim)
     values = centroids.astype(mx.float32)[idx]
     out = (values * scales[:, :, start : start + length, None].astype(mx.float32)).astype(dtype)
-    before = prefix.shape[2] if prefix is not None else before
-    after = suffix.shape[2] if suffix is not None else after
-    if before or after:
-        out = mx.pad(out, [(0, 0), (0, 0), (0 if prefix is not None else before,
-                                            0 if suffix is not None else after), (0, 0)])
-    parts = [x for x in (prefix, out, suffix) if x is not None]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    def around(rows, n):
+        return rows if rows is not None else mx.zeros(out.shape[:2] + (n, head_dim), dtype)
+
+    parts = [x for x in (around(prefix, before), out, around(suffix, after)) if x.shape[2]]
+    if len(parts) <= 1:
+        return parts[0] if parts else out
+    return mx.concatenate(parts, axis=2)
 
 
 def compressed_attention(

@@ -8,7 +8,7 @@ once per layer (:meth:`PrefillMixin._attend_prefill`).
 
 import mlx.core as mx
 
-from . import codespace, ops
+from . import codespace
 from .codespace import (
     _fused_queries_to_codes, _fused_tail_decode_output, _fused_to_code_space,
     _queries_to_codes, _tail_decode_output, _to_code_space,
@@ -25,17 +25,15 @@ _scratch = {}
 _SCRATCH_GROWTH = 1.25  # grow ahead of the prompt: one allocation per ~25% of context
 
 
-def scratch_buffers(dtype, k_size, v_size):
-    """The reused ``(keys, values)`` buffers of ``dtype`` holding at least
-    ``k_size`` / ``v_size`` elements (flat, evaluated, row-contiguous)."""
+def scratch_buffers(dtype, size):
+    """The reused ``(keys, values)`` buffers of ``dtype``, each of at least ``size``
+    elements (flat, evaluated, row-contiguous)."""
     bufs = _scratch.get(dtype)
-    if bufs is None or bufs[0].size < k_size or bufs[1].size < v_size:
-        grown = [max(need, int(_SCRATCH_GROWTH * need),
-                     0 if bufs is None else old.size)
-                 for need, old in zip((k_size, v_size), bufs or (None, None))]
+    if bufs is None or bufs[0].size < size:
+        n = max(int(_SCRATCH_GROWTH * size), 0 if bufs is None else bufs[0].size)
         bufs = None  # (the old pair goes before the new one is made)
         _scratch.pop(dtype, None)
-        bufs = tuple(mx.zeros((n,), dtype) for n in grown)
+        bufs = (mx.zeros((n,), dtype), mx.zeros((n,), dtype))
         mx.eval(bufs)
         _scratch[dtype] = bufs
     return bufs
@@ -141,19 +139,10 @@ class PrefillMixin:
             # temporaries: nothing of this size is allocated per layer.
             before_k, before_v = code_space([g for g in segments if g[2] < S])
             after_k, after_v = code_space([g for g in segments if g[2] >= S])
-            nb = 0 if before_k is None else before_k.shape[2]
-            na = 0 if after_k is None else after_k.shape[2]
-            B, H = self._k_codes.shape[:2]
-            Dk = self._k_codes.shape[3] * 32 // self.key_bits
-            Dv = self._v_codes.shape[3] * 32 // self.value_bits
-            slots = nb + n_comp + na
-            into_k, into_v = scratch_buffers(dtype, B * H * slots * Dk, B * H * slots * Dv)
-            k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids,
-                               self.key_bits, 0, n_comp, dtype=dtype, prefix=before_k,
-                               suffix=after_k, into=into_k)
-            v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids,
-                               self.value_bits, 0, n_comp, dtype=dtype, prefix=before_v,
-                               suffix=after_v, into=into_v)
+            B, H = self._batch_heads
+            size = B * H * self.offset * self._head_dim  # every token; keys and values alike
+            k, v = self._decoded(0, n_comp, dtype, (before_k, after_k), (before_v, after_v),
+                                 scratch_buffers(dtype, size))
         centered = self._mu_k is not None
         if centered and uncentered:
             mu_k, mu_v = _to_code_space(self._mu_k, self._mu_v, None, None, self._key_scale,

@@ -111,14 +111,18 @@ class StorageMixin:
         # Without in_place the outputs reused buffers nothing else held, or are copies.
         self._buffers_private = True
 
-    def _decoded(self, start, length, **kw):
+    def _decoded(self, start, length, dtype=mx.float32, key_rows=(None, None),
+                 value_rows=(None, None), into=(None, None)):
         """Keys and values of compressed tokens ``[start, start+length)`` as stored
-        (rotated, centered, scaled): :func:`ops.dequantize` of both buffers, with its
-        keyword arguments (``dtype``, ``before``, ``after``)."""
+        (rotated, centered, scaled): :func:`ops.dequantize` of both buffers in
+        ``dtype``, each with its ``(prefix, suffix)`` rows around the tokens and the
+        buffer it is written ``into`` (the prefill's)."""
         k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
-                           start, length, **kw)
+                           start, length, dtype=dtype, prefix=key_rows[0], suffix=key_rows[1],
+                           into=into[0])
         v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
-                           start, length, **kw)
+                           start, length, dtype=dtype, prefix=value_rows[0],
+                           suffix=value_rows[1], into=into[1])
         return k, v
 
     def _dequantized(self, start, length, dtype):
