@@ -48,19 +48,20 @@ def long_text(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _openblas_preload():
-    """The system OpenBLAS to preload on Linux, or None.
-
-    MLX's Linux CPU wheel links the reference (netlib) BLAS, which runs this demo's
-    float32 matrix products some 50x slower than OpenBLAS: about 10 prompt tokens/s
-    instead of hundreds. Where the system has OpenBLAS (Debian/Ubuntu:
-    ``apt install libopenblas0-pthread``), preloading it makes MLX call it instead.
-    """
+def _reference_blas() -> bool:
+    """Whether MLX's matrix products run on the reference (netlib) BLAS: MLX's Linux CPU
+    wheel links it, and it runs this demo's float32 products some 50x slower than
+    OpenBLAS (about 10 prompt tokens/s instead of hundreds). False once OpenBLAS is
+    preloaded."""
     if sys.platform != "linux" or "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return None
-    mlx_root = os.path.dirname(os.path.dirname(mx.__file__))  # site-packages
-    if not glob.glob(os.path.join(mlx_root, "mlx*.libs", "libblas-*.so*")):
-        return None  # not the wheel's reference BLAS
+        return False
+    site = os.path.dirname(os.path.dirname(mx.__file__))
+    return bool(glob.glob(os.path.join(site, "mlx*.libs", "libblas-*.so*")))
+
+
+def _system_openblas():
+    """The system's OpenBLAS (Debian/Ubuntu: ``apt install libopenblas0-pthread``), whose
+    BLAS symbols MLX then calls when it is preloaded; None where there is none."""
     found = sorted(glob.glob("/usr/lib/*/openblas*/libblas.so.3") +
                    glob.glob("/usr/lib*/libopenblas*.so.0"))
     return found[0] if found else None
@@ -111,15 +112,15 @@ def main():
     parser.add_argument("--prefill-step", type=int, default=512)
     args = parser.parse_args()
 
-    blas = _openblas_preload() if mx.default_device() == mx.cpu else None
-    if blas:
-        print(f"[demo] using the system's OpenBLAS ({blas}) for MLX's matrix products",
-              file=sys.stderr, flush=True)
-        env = dict(os.environ, LD_PRELOAD=" ".join(
-            x for x in (os.environ.get("LD_PRELOAD"), blas) if x))
-        os.execve(sys.executable, [sys.executable, "-m", "turboquant_mlx.demo", *sys.argv[1:]], env)
-    elif sys.platform == "linux" and mx.default_device() == mx.cpu and \
-            "openblas" not in os.environ.get("LD_PRELOAD", ""):
+    if mx.default_device() == mx.cpu and _reference_blas():
+        blas = _system_openblas()
+        if blas:
+            print(f"[demo] using the system's OpenBLAS ({blas}) for MLX's matrix products",
+                  file=sys.stderr, flush=True)
+            env = dict(os.environ, LD_PRELOAD=" ".join(
+                x for x in (os.environ.get("LD_PRELOAD"), blas) if x))
+            os.execve(sys.executable,
+                      [sys.executable, "-m", "turboquant_mlx.demo", *sys.argv[1:]], env)
         print("[demo] MLX's Linux CPU wheel uses the reference BLAS: expect about 10 prompt "
               "tokens/s. `apt install libopenblas0-pthread` makes this demo ~20x faster.",
               file=sys.stderr, flush=True)
