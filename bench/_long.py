@@ -99,25 +99,41 @@ def log(msg):
 
 
 def add_common_args(p):
-    p.add_argument("--block", type=int, default=2048,
-                   help="prompt tokens per forward pass (mlx-lm's prefill_step_size)")
-    p.add_argument("--warmup-tokens", type=int, default=None,
-                   help="length of each cache's warm-up prompt (default: 2 * block + 1)")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=2048,
+        help="prompt tokens per forward pass (mlx-lm's prefill_step_size)",
+    )
+    p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=None,
+        help="length of each cache's warm-up prompt (default: 2 * block + 1)",
+    )
     add_device_args(p)
 
 
 def add_device_args(p):
     """--device, --dtype, --markdown-out, --jsonl, --seed (``setup_device`` reads the
     first two)."""
-    p.add_argument("--device", choices=("gpu", "cpu"), default=None,
-                   help="default: gpu if MLX has one")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
-                   help="activations and fp16-cache dtype (default: float16 on the GPU, "
-                        "float32 on the CPU)")
-    p.add_argument("--markdown-out", default=None,
-                   help="write the tables (markdown) to this file, rewritten after each row")
-    p.add_argument("--jsonl", default=None,
-                   help="append each measured row to this file as one JSON object")
+    p.add_argument(
+        "--device", choices=("gpu", "cpu"), default=None, help="default: gpu if MLX has one"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default=None,
+        help="activations and fp16-cache dtype (default: float16 on the GPU, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--markdown-out",
+        default=None,
+        help="write the tables (markdown) to this file, rewritten after each row",
+    )
+    p.add_argument(
+        "--jsonl", default=None, help="append each measured row to this file as one JSON object"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -133,8 +149,12 @@ def add_model_args(p):
     g = p.add_argument_group("qwen35moe (mlx-lm's qwen3_5_moe; Qwen3.5-35B-A3B shape)")
     for name, (value, what) in QWEN35_A3B.items():
         g.add_argument(f"--qwen-{name}", type=int, default=value, help=f"{what} (default {value})")
-    g.add_argument("--gate-bits", type=int, default=8,
-                   help="bits of the router and shared-expert gate (mlx-lm: 8; 0: unquantized)")
+    g.add_argument(
+        "--gate-bits",
+        type=int,
+        default=8,
+        help="bits of the router and shared-expert gate (mlx-lm: 8; 0: unquantized)",
+    )
     g = p.add_argument_group("weights (both models)")
     g.add_argument("--weight-bits", type=int, default=4)
     g.add_argument("--group-size", type=int, default=64)
@@ -245,28 +265,34 @@ def describe_model(name, a):
     """One line with every shape value the model is built with."""
     w = f"{a.weight_bits}-bit g{a.group_size} weights"
     if name == "llama8b":
-        return (f"llama8b: mlx-lm llama, {a.layers} layers, hidden {a.hidden}, {a.heads} q / "
-                f"{a.kv_heads} kv heads, head dim {a.head_dim}, intermediate {a.intermediate}, "
-                f"vocab {a.vocab}, rope theta 500000, {w}")
+        return (
+            f"llama8b: mlx-lm llama, {a.layers} layers, hidden {a.hidden}, {a.heads} q / "
+            f"{a.kv_heads} kv heads, head dim {a.head_dim}, intermediate {a.intermediate}, "
+            f"vocab {a.vocab}, rope theta 500000, {w}"
+        )
     c = qwen_text_config(a)
     n = c["num_hidden_layers"]
     full = sum(1 for i in range(n) if (i + 1) % c["full_attention_interval"] == 0)
     gates = f"{a.gate_bits}-bit" if a.gate_bits else "unquantized"
-    return (f"qwen35moe: mlx-lm qwen3_5_moe, {n} layers ({full} full attention: "
-            f"{c['num_attention_heads']} q / {c['num_key_value_heads']} kv heads, head dim "
-            f"{c['head_dim']}, rope theta {QWEN_ROPE_THETA:g} on {QWEN_PARTIAL_ROTARY:g} of the "
-            f"dims; {n - full} gated delta nets: {c['linear_num_key_heads']} k heads x "
-            f"{c['linear_key_head_dim']}, {c['linear_num_value_heads']} v heads x "
-            f"{c['linear_value_head_dim']}, conv {c['linear_conv_kernel_dim']}), hidden "
-            f"{c['hidden_size']}, MoE {c['num_experts']} experts x {c['moe_intermediate_size']}, "
-            f"{c['num_experts_per_tok']} routed + 1 shared x "
-            f"{c['shared_expert_intermediate_size']}, vocab {c['vocab_size']}, untied, {w}, "
-            f"{gates} router/shared gates")
+    return (
+        f"qwen35moe: mlx-lm qwen3_5_moe, {n} layers ({full} full attention: "
+        f"{c['num_attention_heads']} q / {c['num_key_value_heads']} kv heads, head dim "
+        f"{c['head_dim']}, rope theta {QWEN_ROPE_THETA:g} on {QWEN_PARTIAL_ROTARY:g} of the "
+        f"dims; {n - full} gated delta nets: {c['linear_num_key_heads']} k heads x "
+        f"{c['linear_key_head_dim']}, {c['linear_num_value_heads']} v heads x "
+        f"{c['linear_value_head_dim']}, conv {c['linear_conv_kernel_dim']}), hidden "
+        f"{c['hidden_size']}, MoE {c['num_experts']} experts x {c['moe_intermediate_size']}, "
+        f"{c['num_experts_per_tok']} routed + 1 shared x "
+        f"{c['shared_expert_intermediate_size']}, vocab {c['vocab_size']}, untied, {w}, "
+        f"{gates} router/shared gates"
+    )
 
 
 def device_line(a):
-    return (f"mlx {mx.__version__}, device {mx.default_device()}, turboquant GPU kernels: "
-            f"{_ext.gpu_backend()} ({_ext.gpu_available()}), activations {a.dtype}")
+    return (
+        f"mlx {mx.__version__}, device {mx.default_device()}, turboquant GPU kernels: "
+        f"{_ext.gpu_backend()} ({_ext.gpu_available()}), activations {a.dtype}"
+    )
 
 
 # -- caches and the prompt ------------------------------------------------------------
@@ -342,8 +368,10 @@ class Progress:
             return
         self.last = now
         dt = now - self.start
-        log(f"{self.label}: {done}/{total} prompt tokens, {done / max(dt, 1e-9):.0f} tok/s, "
-            f"{dt:.1f} s")
+        log(
+            f"{self.label}: {done}/{total} prompt tokens, {done / max(dt, 1e-9):.0f} tok/s, "
+            f"{dt:.1f} s"
+        )
 
 
 def free():
@@ -421,8 +449,9 @@ def run_prompt(model, name, prompt, a, reserve, label, timer=None):
     y, logprobs = next_token(model, cache, rest)
     mx.eval(y, logprobs)
     t2 = time.perf_counter()
-    m = dict(prompt_tokens=int(prompt.size), prompt_s=t1 - t0, ttft_s=t2 - t0,
-             kv_bytes=kv_bytes(cache))
+    m = dict(
+        prompt_tokens=int(prompt.size), prompt_s=t1 - t0, ttft_s=t2 - t0, kv_bytes=kv_bytes(cache)
+    )
     if timer is not None:
         m["cache_s"] = timer.seconds
     return cache, y, logprobs, m
@@ -475,8 +504,11 @@ class CacheTimer:
     @contextmanager
     def patched(self, cache):
         self.seconds, self.calls = 0.0, 0
-        classes = {type(c) for c in cache
-                   if not isinstance(c, ArraysCache) and hasattr(c, "update_and_fetch")}
+        classes = {
+            type(c)
+            for c in cache
+            if not isinstance(c, ArraysCache) and hasattr(c, "update_and_fetch")
+        }
         saved = []
         try:
             for cls in classes:
@@ -497,9 +529,17 @@ class CacheTimer:
 
 # -- failures and tables --------------------------------------------------------------
 
-_OOM_WORDS = ("out of memory", "outofmemory", "insufficient memory", "malloc",
-              "failed to allocate", "allocation", "maximum allowed buffer size",
-              "resource limit", "bad_alloc")
+_OOM_WORDS = (
+    "out of memory",
+    "outofmemory",
+    "insufficient memory",
+    "malloc",
+    "failed to allocate",
+    "allocation",
+    "maximum allowed buffer size",
+    "resource limit",
+    "bad_alloc",
+)
 
 
 def is_oom(e):
@@ -568,5 +608,6 @@ def fmt(x, digits=1):
 
 
 def base_parser(doc):
-    return argparse.ArgumentParser(description=doc.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )

@@ -34,8 +34,8 @@ double time_us(const std::function<std::vector<mx::array>()>& fn) {
          (std::chrono::steady_clock::now() - begin < std::chrono::seconds(1) && t.size() < 200)) {
     auto t0 = std::chrono::steady_clock::now();
     mx::eval(fn());
-    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                    .count());
+    t.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -96,8 +96,7 @@ int main(int argc, char** argv) {
   mx::set_default_device(gpu ? mx::Device::gpu : mx::Device::cpu);
   const int q_heads = 32, kv_heads = 8, head_dim = 128;
   const float scale = 1.0f / std::sqrt(float(head_dim));
-  auto signs = mx::where(
-      mx::random::bernoulli(0.5, {head_dim}), mx::array(1.0f), mx::array(-1.0f));
+  auto signs = mx::where(mx::random::bernoulli(0.5, {head_dim}), mx::array(1.0f), mx::array(-1.0f));
   auto rotate = [&](const mx::array& x) {
     return mx::hadamard_transform(mx::multiply(x, signs), 1.0f / std::sqrt(float(head_dim)));
   };
@@ -107,7 +106,10 @@ int main(int argc, char** argv) {
 
   std::printf(
       "\n### Decode attention (C++), %s: B=1, %d query heads, %d KV heads, head dim %d\n\n",
-      gpu ? "GPU" : "CPU", q_heads, kv_heads, head_dim);
+      gpu ? "GPU" : "CPU",
+      q_heads,
+      kv_heads,
+      head_dim);
   std::printf(
       "| context | fp16 SDPA µs | fp32 SDPA µs | TQ K4V4 µs | TQ K3V3 µs | K4V4 vs fp16 | "
       "K4V4 vs fp32 | K3V3 vs fp16 | K4V4 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
@@ -131,8 +133,18 @@ int main(int argc, char** argv) {
       auto vc = make_cache(kv_heads, ctx, head_dim, bits);
       t_tq[4 - bits] = time_us([&] {
         auto out = tq::compressed_attention(
-            rotate(q), kc.codes, kc.scales, vc.codes, vc.scales, kc.centroids, vc.centroids,
-            ctx, scale, bits, bits, true);
+            rotate(q),
+            kc.codes,
+            kc.scales,
+            vc.codes,
+            vc.scales,
+            kc.centroids,
+            vc.centroids,
+            ctx,
+            scale,
+            bits,
+            bits,
+            true);
         return std::vector{mx::astype(unrotate(out[0]), mx::float16)};
       });
       if (bits == 4) {
@@ -141,7 +153,14 @@ int main(int argc, char** argv) {
     }
     std::printf(
         "| %dk | %.0f | %.0f | %.0f | %.0f | %.2fx | %.2fx | %.2fx | %.2f |\n",
-        ctx / 1024, t16, t32, t_tq[0], t_tq[1], t16 / t_tq[0], t32 / t_tq[0], t16 / t_tq[1],
+        ctx / 1024,
+        t16,
+        t32,
+        t_tq[0],
+        t_tq[1],
+        t16 / t_tq[0],
+        t32 / t_tq[0],
+        t16 / t_tq[1],
         bytes44 / t_tq[0] / 1e3);
     mx::clear_cache();
   }
@@ -149,7 +168,9 @@ int main(int argc, char** argv) {
   std::printf(
       "\n### Append one token (C++), %s: %d KV heads, head dim %d, 4-bit\n\n"
       "| cache length | µs per append | vs first |\n|---|---|---|\n",
-      gpu ? "GPU" : "CPU", kv_heads, head_dim);
+      gpu ? "GPU" : "CPU",
+      kv_heads,
+      head_dim);
   double first = 0;
   for (int ctx : contexts) {
     auto cents = codebook(head_dim, 4);
@@ -160,8 +181,8 @@ int main(int argc, char** argv) {
     int n = 0;
     double t = time_us([&] {
       // Move the buffers into the op so the nodes can reuse them in place.
-      auto out = tq::quantize_append(
-          std::move(codes), std::move(scales), x, cents, ctx + (n++ % 64), 4);
+      auto out =
+          tq::quantize_append(std::move(codes), std::move(scales), x, cents, ctx + (n++ % 64), 4);
       codes = out[0];
       scales = out[1];
       return out;

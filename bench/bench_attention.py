@@ -111,10 +111,17 @@ def bench_attention(args, device):
         mx.clear_cache()
 
     names = [k for k in rows[0] if k != "context"]
-    print(f"\n### Decode attention, {device}: B=1, {n_q} query heads, {n_kv} KV heads, "
-          f"head dim {D}, 1 query token\n")
-    print("| context | " + " | ".join(f"{n} µs (GB/s)" for n in names) + " | "
-          + " | ".join(f"{n} speed-up vs fp16" for n in names if n.startswith("TQ")) + " |")
+    print(
+        f"\n### Decode attention, {device}: B=1, {n_q} query heads, {n_kv} KV heads, "
+        f"head dim {D}, 1 query token\n"
+    )
+    print(
+        "| context | "
+        + " | ".join(f"{n} µs (GB/s)" for n in names)
+        + " | "
+        + " | ".join(f"{n} speed-up vs fp16" for n in names if n.startswith("TQ"))
+        + " |"
+    )
     print("|" + "---|" * (1 + len(names) + sum(n.startswith("TQ") for n in names)))
     for row in rows:
         t16 = row["fp16 SDPA"][0]
@@ -161,7 +168,9 @@ def bench_append(args, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--contexts", default="1024,4096,16384,32768,65536")
     p.add_argument("--append-contexts", default="1024,4096,16384,65536")

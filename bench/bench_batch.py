@@ -104,21 +104,39 @@ MiB = 2**20
 
 def parse_args(argv=None):
     p = _long.base_parser(__doc__)
-    p.add_argument("--contexts", default="32768",
-                   help="comma-separated tokens held by every sequence (default 32768)")
+    p.add_argument(
+        "--contexts",
+        default="32768",
+        help="comma-separated tokens held by every sequence (default 32768)",
+    )
     p.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes")
-    p.add_argument("--caches", default=DEFAULT_CACHES,
-                   help=f"comma-separated, fp16 first (default {DEFAULT_CACHES})")
+    p.add_argument(
+        "--caches",
+        default=DEFAULT_CACHES,
+        help=f"comma-separated, fp16 first (default {DEFAULT_CACHES})",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
-    p.add_argument("--warmup", type=int, default=160,
-                   help="untimed decode steps first (default 160: past the compressed "
-                        "caches' first code-buffer growth, see above)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=160,
+        help="untimed decode steps first (default 160: past the compressed "
+        "caches' first code-buffer growth, see above)",
+    )
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache fill call")
-    p.add_argument("--budget-gib", type=float, default=64.0,
-                   help="memory budget of the second table, GiB (default 64)")
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=64.0,
+        help="memory budget of the second table, GiB (default 64)",
+    )
     _long.add_device_args(p)
-    p.add_argument("--memory-unit", choices=("GiB", "MiB"), default="GiB",
-                   help="unit of the memory columns (MiB for small models)")
+    p.add_argument(
+        "--memory-unit",
+        choices=("GiB", "MiB"),
+        default="GiB",
+        help="unit of the memory columns (MiB for small models)",
+    )
     g = p.add_argument_group("model (bench_decode.build_model; Llama-3-8B shape)")
     g.add_argument("--layers", type=int, default=32)
     g.add_argument("--hidden", type=int, default=4096)
@@ -164,6 +182,7 @@ def time_decode(model, cache, batch, a):
     """Step times of ``a.warmup`` untimed then ``a.steps`` timed batched decode steps
     (module docstring, step 3), the peak memory over the timed ones, and whether the
     last log-probabilities are finite."""
+
     def step(tokens):
         logits = model(tokens[:, None], cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -221,8 +240,10 @@ def main(argv=None):
     if "fp16" in names and names[0] != "fp16":
         raise SystemExit("--caches: fp16 must come first (it is the baseline)")
     if not contexts or not batches or min(contexts + batches) < 1:
-        raise SystemExit(f"--contexts and --batches must be positive integers, got "
-                         f"{a.contexts!r} and {a.batches!r}")
+        raise SystemExit(
+            f"--contexts and --batches must be positive integers, got "
+            f"{a.contexts!r} and {a.batches!r}"
+        )
 
     print(_long.device_line(a), flush=True)
     print(_long.describe_model("llama8b", a), flush=True)
@@ -230,12 +251,18 @@ def main(argv=None):
     log("building llama8b")
     model = _long.build_model("llama8b", a, dtype)
     weights = _long.weight_bytes(model)
-    print(f"weights {weights / GiB:.2f} GiB (built in {time.perf_counter() - t0:.1f} s); "
-          f"{a.warmup} warm-up + {a.steps} timed steps per row, median; contexts "
-          f"{a.contexts}; batches {a.batches}; caches {', '.join(names)}", flush=True)
+    print(
+        f"weights {weights / GiB:.2f} GiB (built in {time.perf_counter() - t0:.1f} s); "
+        f"{a.warmup} warm-up + {a.steps} timed steps per row, median; contexts "
+        f"{a.contexts}; batches {a.batches}; caches {', '.join(names)}",
+        flush=True,
+    )
 
-    shape = ("8B-shaped llama" if (a.layers, a.hidden) == (32, 4096) else
-             f"llama {a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads x {a.head_dim}")
+    shape = (
+        "8B-shaped llama"
+        if (a.layers, a.hidden) == (32, 4096)
+        else f"llama {a.layers} layers, hidden {a.hidden}, {a.kv_heads} KV heads x {a.head_dim}"
+    )
     u = a.memory_unit
     unit = GiB if u == "GiB" else MiB
 
@@ -245,10 +272,21 @@ def main(argv=None):
     where = f"{a.weight_bits}-bit weights, {a.dtype}, {mx.default_device()}"
     decode = _long.Table(
         f"### Batched decode, {shape} ({where})",
-        [("context", True), ("batch", False), ("cache", True), (f"KV {u}", False),
-         ("KV / fp16", False), ("tok/s", False), ("ms/step", False), ("× fp16", False),
-         (f"peak {u}", False), (f"temp {u}", False)],
-        None, a.jsonl)
+        [
+            ("context", True),
+            ("batch", False),
+            ("cache", True),
+            (f"KV {u}", False),
+            ("KV / fp16", False),
+            ("tok/s", False),
+            ("ms/step", False),
+            ("× fp16", False),
+            (f"peak {u}", False),
+            (f"temp {u}", False),
+        ],
+        None,
+        a.jsonl,
+    )
     budget = a.budget_gib * GiB
     fits = None
 
@@ -281,18 +319,31 @@ def main(argv=None):
                     err = (_long.failure(e), str(e)[:300], _long.is_oom(e))
                 del cache
                 _long.free()
-                record = dict(bench="batch", context=ctx, batch=batch, cache=name,
-                              dtype=a.dtype, device=str(mx.default_device()))
+                record = dict(
+                    bench="batch",
+                    context=ctx,
+                    batch=batch,
+                    cache=name,
+                    dtype=a.dtype,
+                    device=str(mx.default_device()),
+                )
                 if err is not None:
-                    decode.add([label, batch, name, err[0]],
-                               dict(record, error=err[1], oom=err[2]))
+                    decode.add([label, batch, name, err[0]], dict(record, error=err[1], oom=err[2]))
                     write_markdown()
                     continue
                 step_s = statistics.median(times)
                 tps = batch / step_s
-                record.update(batch_cache=kind, kv_bytes=kv, tokens_per_s=tps, step_s=step_s,
-                              peak_bytes=peak, weights_bytes=weights,
-                              temp_bytes=peak - weights - kv, finite=ok, fill_s=t_fill)
+                record.update(
+                    batch_cache=kind,
+                    kv_bytes=kv,
+                    tokens_per_s=tps,
+                    step_s=step_s,
+                    peak_bytes=peak,
+                    weights_bytes=weights,
+                    temp_bytes=peak - weights - kv,
+                    finite=ok,
+                    fill_s=t_fill,
+                )
                 if name == "fp16":
                     base = record
                 ratio = kv_ratio = None
@@ -300,13 +351,25 @@ def main(argv=None):
                     ratio = tps / base["tokens_per_s"]
                     kv_ratio = kv / base["kv_bytes"]
                     record.update(ratio_fp16=ratio, kv_ratio_fp16=kv_ratio)
-                cells = [label, batch, name, mem(kv, 3), fmt(kv_ratio, 3), fmt(tps),
-                         fmt(step_s * 1e3, 2), fmt(ratio, 2), mem(peak),
-                         mem(record["temp_bytes"])]
+                cells = [
+                    label,
+                    batch,
+                    name,
+                    mem(kv, 3),
+                    fmt(kv_ratio, 3),
+                    fmt(tps),
+                    fmt(step_s * 1e3, 2),
+                    fmt(ratio, 2),
+                    mem(peak),
+                    mem(record["temp_bytes"]),
+                ]
                 if not ok:
                     cells[-1] += " (non-finite logits)"
-                decode.add(cells, record, note=f"{kind}, fill {t_fill:.1f} s, best "
-                                               f"{min(times) * 1e3:.2f} ms")
+                decode.add(
+                    cells,
+                    record,
+                    note=f"{kind}, fill {t_fill:.1f} s, best {min(times) * 1e3:.2f} ms",
+                )
                 measured.setdefault((ctx, name), {})[batch] = record
                 write_markdown()
 
@@ -314,10 +377,18 @@ def main(argv=None):
         f"### Sequences in {a.budget_gib:g} GiB during decode, {shape} ({where}; "
         f"fixed + B x (KV/seq + temp/seq) from batches {a.batches}, bench/bench_batch.py's "
         "docstring)",
-        [("context", True), ("cache", True), ("KV MiB/seq", False), ("temp MiB/seq", False),
-         (f"fixed {u}", False), (f"sequences in {a.budget_gib:g} GiB", False),
-         ("× fp16", False)],
-        None, a.jsonl)
+        [
+            ("context", True),
+            ("cache", True),
+            ("KV MiB/seq", False),
+            ("temp MiB/seq", False),
+            (f"fixed {u}", False),
+            (f"sequences in {a.budget_gib:g} GiB", False),
+            ("× fp16", False),
+        ],
+        None,
+        a.jsonl,
+    )
     for ctx in contexts:
         base_fit = None
         for name in names:
@@ -329,13 +400,31 @@ def main(argv=None):
             if name == "fp16":
                 base_fit = fit
             ratio = fit / base_fit if base_fit and name != "fp16" else None
-            fits.add([context_label(ctx), name, fmt(kv_seq / MiB, 2), fmt(temp_seq / MiB, 2),
-                      mem(fixed), fit, fmt(ratio, 2)],
-                     dict(bench="batch_budget", context=ctx, cache=name, dtype=a.dtype,
-                          device=str(mx.default_device()), budget_bytes=budget,
-                          kv_bytes_per_seq=kv_seq, temp_bytes_per_seq=temp_seq,
-                          fixed_bytes=fixed, sequences=fit, ratio_fp16=ratio,
-                          batches=sorted(rows)))
+            fits.add(
+                [
+                    context_label(ctx),
+                    name,
+                    fmt(kv_seq / MiB, 2),
+                    fmt(temp_seq / MiB, 2),
+                    mem(fixed),
+                    fit,
+                    fmt(ratio, 2),
+                ],
+                dict(
+                    bench="batch_budget",
+                    context=ctx,
+                    cache=name,
+                    dtype=a.dtype,
+                    device=str(mx.default_device()),
+                    budget_bytes=budget,
+                    kv_bytes_per_seq=kv_seq,
+                    temp_bytes_per_seq=temp_seq,
+                    fixed_bytes=fixed,
+                    sequences=fit,
+                    ratio_fp16=ratio,
+                    batches=sorted(rows),
+                ),
+            )
     write_markdown()
     decode.finish()
     fits.finish()

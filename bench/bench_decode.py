@@ -62,7 +62,11 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from turboquant_mlx import _ext
 from turboquant_mlx.attention import install_hook
 from turboquant_mlx.cache import (
-    PRESETS, TurboQuantKVCache, get_preset, layer_seed, make_prompt_cache,
+    PRESETS,
+    TurboQuantKVCache,
+    get_preset,
+    layer_seed,
+    make_prompt_cache,
 )
 
 GiB = 2**30
@@ -71,21 +75,36 @@ DEFAULT_CACHES = "fp16,k4v4,tq4-nowindow,tq4,tq3,k4v3"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="4096,32768,131072",
-                   help="comma-separated context lengths (tokens already cached)")
+    p.add_argument(
+        "--contexts",
+        default="4096,32768,131072",
+        help="comma-separated context lengths (tokens already cached)",
+    )
     p.add_argument("--caches", default=DEFAULT_CACHES, help=f"default: {DEFAULT_CACHES}")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
-    p.add_argument("--sync", action="store_true",
-                   help="evaluate each step before building the next (default: pipelined "
-                        "like mlx-lm's generate_step)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="interleaved timing rounds over the caches of one context")
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="evaluate each step before building the next (default: pipelined "
+        "like mlx-lm's generate_step)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved timing rounds over the caches of one context",
+    )
     p.add_argument("--chunk", type=int, default=4096, help="tokens per cache fill call")
-    p.add_argument("--device", choices=("gpu", "cpu"), default=None,
-                   help="default: gpu if MLX has one")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
-                   help="activations and KV dtype (default: float16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--device", choices=("gpu", "cpu"), default=None, help="default: gpu if MLX has one"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default=None,
+        help="activations and KV dtype (default: float16 on GPU, float32 on CPU)",
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
@@ -162,13 +181,15 @@ def make_caches(model, name, total_tokens):
     elif m:
         install_hook()
         caches = [
-            TurboQuantKVCache(key_bits=int(m.group(1)), value_bits=int(m.group(2)),
-                              seed=layer_seed(0, i))
+            TurboQuantKVCache(
+                key_bits=int(m.group(1)), value_bits=int(m.group(2)), seed=layer_seed(0, i)
+            )
             for i in range(n)
         ]
     else:
-        raise ValueError(f"unknown cache {name!r}: fp16, k<b>v<b>, affine<b> or one of "
-                         f"{', '.join(PRESETS)}")
+        raise ValueError(
+            f"unknown cache {name!r}: fp16, k<b>v<b>, affine<b> or one of {', '.join(PRESETS)}"
+        )
     for c in caches:
         if isinstance(c, TurboQuantKVCache):
             c.reserve(total_tokens)
@@ -214,12 +235,14 @@ def time_decode(model, caches, a):
     next. With ``--sync`` every step is built, then evaluated, so that the host-side
     time adds to the device time.
     """
+
     def step(tok):
         logits = model(tok[:, None], cache=caches)[:, -1]
         return mx.argmax(logits, axis=-1).astype(mx.int32), logits
 
     tok = mx.array([1], dtype=mx.int32)
     if a.sync:
+
         def run(n):
             times, logits = [], None
             for _ in range(n):
@@ -229,6 +252,7 @@ def time_decode(model, caches, a):
                 times.append(time.perf_counter() - t0)
             return times, logits
     else:
+
         def run(n):
             y, logits = step(tok)
             mx.async_eval(y, logits)
@@ -282,19 +306,26 @@ def main(argv=None):
     names = [x.strip() for x in a.caches.split(",") if x.strip()]
     mx.random.seed(a.seed)
 
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, turboquant GPU kernels: "
-          f"{_ext.gpu_backend()} ({_ext.gpu_available()}), activations {a.dtype}")
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}, turboquant GPU kernels: "
+        f"{_ext.gpu_backend()} ({_ext.gpu_available()}), activations {a.dtype}"
+    )
     t0 = time.perf_counter()
     model = build_model(a, dtype)
-    print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} q / {a.kv_heads} kv heads, "
-          f"head dim {a.head_dim}, intermediate {a.intermediate}, vocab {a.vocab}, "
-          f"{a.weight_bits}-bit g{a.group_size} weights {weight_bytes(model) / GiB:.2f} GiB "
-          f"(built in {time.perf_counter() - t0:.1f} s); {a.rounds} rounds of {a.warmup} "
-          f"warm-up + {a.steps} timed steps, median", flush=True)
+    print(
+        f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} q / {a.kv_heads} kv heads, "
+        f"head dim {a.head_dim}, intermediate {a.intermediate}, vocab {a.vocab}, "
+        f"{a.weight_bits}-bit g{a.group_size} weights {weight_bytes(model) / GiB:.2f} GiB "
+        f"(built in {time.perf_counter() - t0:.1f} s); {a.rounds} rounds of {a.warmup} "
+        f"warm-up + {a.steps} timed steps, median",
+        flush=True,
+    )
 
     rows = []
-    header = ("| context | cache | KV GiB | KV / fp16 | decode tok/s | ms/token | × fp16 | peak GiB "
-              "| buffer copies/step |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    header = (
+        "| context | cache | KV GiB | KV / fp16 | decode tok/s | ms/token | × fp16 | peak GiB "
+        "| buffer copies/step |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     print("\n" + header, flush=True)
     for ctx in contexts:
         label = f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
@@ -316,7 +347,7 @@ def main(argv=None):
         copies = {name: 0.0 for name in held}
         order = list(held)
         for r in range(a.rounds):
-            for name in order[r % len(order):] + order[: r % len(order)]:
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 try:
                     t, peak, ok, cp = time_decode(model, held[name], a)
                 except Exception as e:
@@ -334,7 +365,9 @@ def main(argv=None):
         for name in names:
             if name in errors or not times.get(name):
                 e = errors.get(name)
-                row = f"| {label} | {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | | |"
+                row = (
+                    f"| {label} | {name} | error: {type(e).__name__}: {str(e)[:160]} | | | | | | |"
+                )
                 print(row, flush=True)
                 rows.append(row)
                 continue
@@ -346,19 +379,25 @@ def main(argv=None):
                 base, base_bytes = med, nbytes
             ratio = f"{base / med:.2f}" if base else "–"
             bratio = f"{nbytes / base_bytes:.3f}" if base_bytes else "–"
-            row = (f"| {label} | {name} | {nbytes / GiB:.3f} | {bratio} | {1 / med:.1f} | "
-                   f"{med * 1e3:.2f} | {ratio} | {peaks[name] / GiB:.2f} | {copies[name]:.1f} |"
-                   + ("" if finite[name] else " non-finite logits"))
-            print(row + f"  <!-- fill {t_fill[name]:.1f} s, best {best * 1e3:.2f} ms -->",
-                  flush=True)
+            row = (
+                f"| {label} | {name} | {nbytes / GiB:.3f} | {bratio} | {1 / med:.1f} | "
+                f"{med * 1e3:.2f} | {ratio} | {peaks[name] / GiB:.2f} | {copies[name]:.1f} |"
+                + ("" if finite[name] else " non-finite logits")
+            )
+            print(
+                row + f"  <!-- fill {t_fill[name]:.1f} s, best {best * 1e3:.2f} ms -->", flush=True
+            )
             rows.append(row)
         del held
         gc.collect()
         mx.clear_cache()
 
-    print("\n### Decode, 8B-shaped llama" if a.layers == 32 and a.hidden == 4096
-          else "\n### Decode, reduced llama", f"({a.weight_bits}-bit weights, {a.dtype}, "
-          f"{mx.default_device()}, B=1)\n")
+    print(
+        "\n### Decode, 8B-shaped llama"
+        if a.layers == 32 and a.hidden == 4096
+        else "\n### Decode, reduced llama",
+        f"({a.weight_bits}-bit weights, {a.dtype}, {mx.default_device()}, B=1)\n",
+    )
     print(header)
     for r in rows:
         print(r)

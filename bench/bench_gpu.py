@@ -124,8 +124,9 @@ def bench_turboquant(b, hq, hkv, d, n, kb, vb, kernel_only=False, tail=0):
     """``tail``: uncompressed tokens (float32, as the presets' sinks and window) passed
     as the op's tail, seen by the split-K merge."""
     rot = Rotation(d, seed=0)
-    kc_, vc_ = mx.array(codebook.lloyd_max_centroids(d, kb).astype(np.float32)), mx.array(
-        codebook.lloyd_max_centroids(d, vb).astype(np.float32)
+    kc_, vc_ = (
+        mx.array(codebook.lloyd_max_centroids(d, kb).astype(np.float32)),
+        mx.array(codebook.lloyd_max_centroids(d, vb).astype(np.float32)),
     )
     per_set = b * hkv * n * ((d * kb // 8 + 2) + (d * vb // 8 + 2))
     sets = []
@@ -187,13 +188,9 @@ def affine_sdpa(queries, q_keys, q_values, scale, group_size=64, bits=4):
         queries = queries.reshape(b, hkv, rep, length, d)
         q_keys = [mx.expand_dims(x, -3) for x in q_keys]
         q_values = [mx.expand_dims(x, -3) for x in q_values]
-    scores = mx.quantized_matmul(
-        queries, *q_keys, transpose=True, group_size=group_size, bits=bits
-    )
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        scores, *q_values, transpose=False, group_size=group_size, bits=bits
-    )
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(b, hq, length, d) if rep > 1 else out
 
 
@@ -210,7 +207,9 @@ def bench_affine(b, hq, hkv, d, n, bits=4, group_size=64):
         del k, v
         sets.append((q, qk, qv))
     scale = 1.0 / math.sqrt(d)
-    fns = [(lambda s: lambda: affine_sdpa(s[0], s[1], s[2], scale, group_size, bits))(s) for s in sets]
+    fns = [
+        (lambda s: lambda: affine_sdpa(s[0], s[1], s[2], scale, group_size, bits))(s) for s in sets
+    ]
     return measure(fns), per_set
 
 
@@ -227,14 +226,18 @@ def main():
     REPS, ROUNDS = args.reps, args.rounds
     lengths = [int(x) for x in args.lengths.split(",")]
     mx.set_default_device(mx.gpu)
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, turboquant backend "
-          f"{_ext.gpu_backend()} (kernels: {_ext.gpu_available()})")
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}, turboquant backend "
+        f"{_ext.gpu_backend()} (kernels: {_ext.gpu_available()})"
+    )
 
     mlx_bw, torch_bw = device_bandwidth()
     ref_bw = torch_bw or mlx_bw
-    print(f"\nDevice bandwidth: MLX a*1.0 on 2 GiB {mlx_bw / 1e12:.2f} TB/s (read+write)"
-          + (f", torch copy {torch_bw / 1e12:.2f} TB/s" if torch_bw else "")
-          + f"; reference for %: {ref_bw / 1e12:.2f} TB/s\n")
+    print(
+        f"\nDevice bandwidth: MLX a*1.0 on 2 GiB {mlx_bw / 1e12:.2f} TB/s (read+write)"
+        + (f", torch copy {torch_bw / 1e12:.2f} TB/s" if torch_bw else "")
+        + f"; reference for %: {ref_bw / 1e12:.2f} TB/s\n"
+    )
 
     shapes = [("32q/8kv d128", 1, 32, 8, 128)]
     if not args.quick:
@@ -242,7 +245,9 @@ def main():
 
     for name, b, hq, hkv, d in shapes:
         print(f"### B={b}, {name}, one query token\n")
-        print("| context | method | µs (eval) | µs (stream) | GB/s (stream) | % of device BW | × vs fp16 SDPA (eval) | × (stream) |")
+        print(
+            "| context | method | µs (eval) | µs (stream) | GB/s (stream) | % of device BW | × vs fp16 SDPA (eval) | × (stream) |"
+        )
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for n in lengths:
             rows = []
@@ -256,16 +261,19 @@ def main():
                     rows.append((f"TurboQuant K{kb}V{vb} kernel only", ke, kst, tb))
                     if d == 128:
                         # tq4's decode step: 4 sinks + 32 window tokens as the op's tail
-                        (ke, kst), _ = bench_turboquant(b, hq, hkv, d, n, kb, vb,
-                                                        kernel_only=True, tail=36)
+                        (ke, kst), _ = bench_turboquant(
+                            b, hq, hkv, d, n, kb, vb, kernel_only=True, tail=36
+                        )
                         rows.append((f"TurboQuant K{kb}V{vb} kernel + 36-token tail", ke, kst, tb))
             if not args.no_affine:
                 (ae, ast), ab = bench_affine(b, hq, hkv, d, n)
                 rows.append(("mlx-lm affine 4-bit g64", ae, ast, ab))
             for label, te, ts, nbytes in rows:
-                print(f"| {n // 1024}k | {label} | {te * 1e6:.1f} | {ts * 1e6:.1f} | "
-                      f"{nbytes / ts / 1e9:.0f} | {100 * nbytes / ts / ref_bw:.0f}% | "
-                      f"{se / te:.2f} | {ss / ts:.2f} |")
+                print(
+                    f"| {n // 1024}k | {label} | {te * 1e6:.1f} | {ts * 1e6:.1f} | "
+                    f"{nbytes / ts / 1e9:.0f} | {100 * nbytes / ts / ref_bw:.0f}% | "
+                    f"{se / te:.2f} | {ss / ts:.2f} |"
+                )
             mx.clear_cache()
         print()
 

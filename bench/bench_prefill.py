@@ -81,18 +81,35 @@ DEFAULT_CACHES = "fp16,tq4,tq3,k4v3,tq4-plain"
 def parse_args(argv=None):
     p = _long.base_parser(__doc__)
     p.add_argument("--model", choices=_long.MODELS, default="llama8b")
-    p.add_argument("--contexts", default=DEFAULT_CONTEXTS,
-                   help=f"comma-separated prompt lengths (default {DEFAULT_CONTEXTS})")
-    p.add_argument("--caches", default=DEFAULT_CACHES,
-                   help=f"comma-separated, fp16 first (default {DEFAULT_CACHES})")
-    p.add_argument("--goal-fraction", type=float, default=0.7,
-                   help="share of the saved KV bytes that the peak must drop by (0.7)")
-    p.add_argument("--cache-time", action="store_true",
-                   help="report the share of the prompt's time in the caches' own work "
-                        "(synchronising: slower prompt)")
-    p.add_argument("--check-finite", choices=("auto", "always", "never"), default=None,
-                   help="TurboQuantKVCache.check_finite for this run (default: the class's, "
-                        "auto: each prompt block's new tokens read on the host per layer)")
+    p.add_argument(
+        "--contexts",
+        default=DEFAULT_CONTEXTS,
+        help=f"comma-separated prompt lengths (default {DEFAULT_CONTEXTS})",
+    )
+    p.add_argument(
+        "--caches",
+        default=DEFAULT_CACHES,
+        help=f"comma-separated, fp16 first (default {DEFAULT_CACHES})",
+    )
+    p.add_argument(
+        "--goal-fraction",
+        type=float,
+        default=0.7,
+        help="share of the saved KV bytes that the peak must drop by (0.7)",
+    )
+    p.add_argument(
+        "--cache-time",
+        action="store_true",
+        help="report the share of the prompt's time in the caches' own work "
+        "(synchronising: slower prompt)",
+    )
+    p.add_argument(
+        "--check-finite",
+        choices=("auto", "always", "never"),
+        default=None,
+        help="TurboQuantKVCache.check_finite for this run (default: the class's, "
+        "auto: each prompt block's new tokens read on the host per layer)",
+    )
     _long.add_common_args(p)
     _long.add_model_args(p)
     return p.parse_args(argv)
@@ -100,10 +117,16 @@ def parse_args(argv=None):
 
 def _baseline_from(records, a, ctx):
     for r in reversed(records):
-        if (r.get("bench") == "prefill" and r.get("cache") == "fp16" and r.get("model") == a.model
-                and r.get("context") == ctx and r.get("block") == a.block
-                and r.get("dtype") == a.dtype and r.get("cache_time") == a.cache_time
-                and "peak_bytes" in r):
+        if (
+            r.get("bench") == "prefill"
+            and r.get("cache") == "fp16"
+            and r.get("model") == a.model
+            and r.get("context") == ctx
+            and r.get("block") == a.block
+            and r.get("dtype") == a.dtype
+            and r.get("cache_time") == a.cache_time
+            and "peak_bytes" in r
+        ):
             return r
     return None
 
@@ -128,19 +151,34 @@ def main(argv=None):
     log(f"building {a.model}")
     model = _long.build_model(a.model, a, dtype)
     weights = _long.weight_bytes(model)
-    print(f"weights {weights / GiB:.2f} GiB (built in {time.perf_counter() - t0:.1f} s); "
-          f"prompt blocks of {a.block}, warm-up {a.warmup_tokens} tokens; "
-          f"contexts {a.contexts}; caches {', '.join(names)}", flush=True)
+    print(
+        f"weights {weights / GiB:.2f} GiB (built in {time.perf_counter() - t0:.1f} s); "
+        f"prompt blocks of {a.block}, warm-up {a.warmup_tokens} tokens; "
+        f"contexts {a.contexts}; caches {', '.join(names)}",
+        flush=True,
+    )
 
-    columns = [("context", True), ("cache", True), ("prompt tok/s", False), ("× fp16", False),
-               ("TTFT s", False), ("weights GiB", False), ("KV GiB", False),
-               ("peak GiB", False), ("temp GiB", False), ("goal margin GiB", False),
-               ("goal met", True)]
+    columns = [
+        ("context", True),
+        ("cache", True),
+        ("prompt tok/s", False),
+        ("× fp16", False),
+        ("TTFT s", False),
+        ("weights GiB", False),
+        ("KV GiB", False),
+        ("peak GiB", False),
+        ("temp GiB", False),
+        ("goal margin GiB", False),
+        ("goal met", True),
+    ]
     if a.cache_time:
         columns.append(("cache time", False))
-    title = (f"### Prompt processing, {a.model} ({a.weight_bits}-bit weights, {a.dtype}, "
-             f"{mx.default_device()}, blocks of {a.block}"
-             + (", --cache-time: synchronised per layer" if a.cache_time else "") + ")")
+    title = (
+        f"### Prompt processing, {a.model} ({a.weight_bits}-bit weights, {a.dtype}, "
+        f"{mx.default_device()}, blocks of {a.block}"
+        + (", --cache-time: synchronised per layer" if a.cache_time else "")
+        + ")"
+    )
     table = _long.Table(title, columns, a.markdown_out, a.jsonl)
 
     warmed = set()
@@ -152,8 +190,10 @@ def main(argv=None):
             _long.warm_attention_shapes(a.model, a, ctx, dtype)
         base = None if "fp16" in names else _baseline_from(earlier, a, ctx)
         if base is not None:
-            log(f"{label}: fp16 baseline from {a.jsonl}: {base['prompt_tps']:.1f} tok/s, peak "
-                f"{base['peak_bytes'] / GiB:.2f} GiB")
+            log(
+                f"{label}: fp16 baseline from {a.jsonl}: {base['prompt_tps']:.1f} tok/s, peak "
+                f"{base['peak_bytes'] / GiB:.2f} GiB"
+            )
         for name in names:
             cache = y = logprobs = None
             err = None
@@ -164,7 +204,8 @@ def main(argv=None):
                 timer = _long.CacheTimer() if a.cache_time else None
                 log(f"{label} {name}: prompt")
                 cache, y, logprobs, m = _long.run_prompt(
-                    model, name, prompt, a, ctx + 16, f"{label} {name}", timer)
+                    model, name, prompt, a, ctx + 16, f"{label} {name}", timer
+                )
                 mx.synchronize()
                 peak = _long.bench_decode.peak_memory()
                 ok = _long.finite(logprobs)
@@ -174,19 +215,41 @@ def main(argv=None):
             if err is not None:  # (the exception and its frames are gone: free them)
                 del cache, y, logprobs
                 _long.free()
-                table.add([label, name, err[0]],
-                          dict(bench="prefill", model=a.model, context=ctx, cache=name,
-                               block=a.block, dtype=a.dtype, error=err[1], oom=err[2]))
+                table.add(
+                    [label, name, err[0]],
+                    dict(
+                        bench="prefill",
+                        model=a.model,
+                        context=ctx,
+                        cache=name,
+                        block=a.block,
+                        dtype=a.dtype,
+                        error=err[1],
+                        oom=err[2],
+                    ),
+                )
                 continue
             del cache, y, logprobs
             _long.free()
             tps = (m["prompt_tokens"] - 1) / m["prompt_s"]
             kv, temp = m["kv_bytes"], peak - weights - m["kv_bytes"]
-            record = dict(bench="prefill", model=a.model, context=ctx, cache=name,
-                          block=a.block, dtype=a.dtype, device=str(mx.default_device()),
-                          cache_time=a.cache_time, prompt_tps=tps, prompt_s=m["prompt_s"],
-                          ttft_s=m["ttft_s"], weights_bytes=weights, kv_bytes=kv,
-                          peak_bytes=peak, finite=ok)
+            record = dict(
+                bench="prefill",
+                model=a.model,
+                context=ctx,
+                cache=name,
+                block=a.block,
+                dtype=a.dtype,
+                device=str(mx.default_device()),
+                cache_time=a.cache_time,
+                prompt_tps=tps,
+                prompt_s=m["prompt_s"],
+                ttft_s=m["ttft_s"],
+                weights_bytes=weights,
+                kv_bytes=kv,
+                peak_bytes=peak,
+                finite=ok,
+            )
             if name == "fp16":
                 base = record
             ratio = margin = met = None
@@ -195,9 +258,19 @@ def main(argv=None):
                 margin = (base["peak_bytes"] - a.goal_fraction * (base["kv_bytes"] - kv)) - peak
                 met = "yes" if margin >= 0 else "no"
                 record.update(ratio_fp16=ratio, goal_margin_bytes=margin)
-            cells = [label, name, fmt(tps), fmt(ratio, 2), fmt(m["ttft_s"], 2), gib(weights),
-                     f"{kv / GiB:.3f}", gib(peak), gib(temp),
-                     "–" if margin is None else f"{margin / GiB:+.2f}", met or "–"]
+            cells = [
+                label,
+                name,
+                fmt(tps),
+                fmt(ratio, 2),
+                fmt(m["ttft_s"], 2),
+                gib(weights),
+                f"{kv / GiB:.3f}",
+                gib(peak),
+                gib(temp),
+                "–" if margin is None else f"{margin / GiB:+.2f}",
+                met or "–",
+            ]
             if a.cache_time:
                 frac = m["cache_s"] / m["prompt_s"]
                 record["cache_fraction"] = frac

@@ -51,12 +51,16 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     own, rest = p.parse_known_args(argv)
-    a = bd.parse_args(rest + ["--steps", str(own.steps), "--warmup", str(own.warmup),
-                              "--rounds", str(own.rounds)])
+    a = bd.parse_args(
+        rest + ["--steps", str(own.steps), "--warmup", str(own.warmup), "--rounds", str(own.rounds)]
+    )
     mx.set_default_device(mx.gpu if mx.is_available(mx.gpu) else mx.cpu)
     dtype = getattr(mx, a.dtype or ("float16" if mx.default_device() == mx.gpu else "float32"))
-    print(f"mlx {mx.__version__}, {mx.default_device()}, kernels {_ext.gpu_backend()}, "
-          f"context {own.context}, cache {own.cache}", flush=True)
+    print(
+        f"mlx {mx.__version__}, {mx.default_device()}, kernels {_ext.gpu_backend()}, "
+        f"context {own.context}, cache {own.cache}",
+        flush=True,
+    )
     model = bd.build_model(a, dtype)
     total = own.context + a.rounds * 4 * (a.warmup + a.steps) + 1
 
@@ -75,7 +79,7 @@ def main(argv=None):
     times = {name: [] for name, *_ in variants}
     try:
         for r in range(a.rounds):
-            for name, cache, attention, append in variants[r % 5:] + variants[: r % 5]:
+            for name, cache, attention, append in variants[r % 5 :] + variants[: r % 5]:
                 ops.compressed_attention, ops.quantize_append = attention, append
                 times[name] += bd.time_decode(model, cache, a)[0]
     finally:
@@ -83,8 +87,10 @@ def main(argv=None):
     rows = [(name, statistics.median(t)) for name, t in times.items()]
 
     layers = len(model.layers)
-    print(f"\n### Decode step breakdown, {own.context} tokens, {layers} layers, "
-          f"{mx.default_device()}\n")
+    print(
+        f"\n### Decode step breakdown, {own.context} tokens, {layers} layers, "
+        f"{mx.default_device()}\n"
+    )
     print("| variant | ms/token | µs/layer vs fp16 |\n|---|---:|---:|")
     base = rows[0][1]
     for name, med in rows:

@@ -109,8 +109,11 @@ def decode_tps(model, tok, ids, preset, seed, steps):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", default="tq4-sink",
-                   help="comma-separated presets, or fp16-window (nothing quantized)")
+    p.add_argument(
+        "--presets",
+        default="tq4-sink",
+        help="comma-separated presets, or fp16-window (nothing quantized)",
+    )
     p.add_argument("--seeds", default="0", help="comma list of base rotation seeds")
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=256)
@@ -127,18 +130,27 @@ def main(argv=None):
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {os.cpu_count()} CPUs\n")
 
     if "ppl" not in skip:
-        print(f"## (a) Perplexity, {args.ppl_tokens} tokens, chunk {args.chunk}, "
-              f"rotation seeds {seeds}\n")
+        print(
+            f"## (a) Perplexity, {args.ppl_tokens} tokens, chunk {args.chunk}, "
+            f"rotation seeds {seeds}\n"
+        )
         print("| preset | seed | weights | perplexity | vs unfolded | time (s) |")
         print("|---|---|---|---|---|---|")
         model, tok = load("unfolded", "tq4", 0)
         ids = tok.encode(quality.license_text())[: args.ppl_tokens]
-        ppl, _ = quality.perplexity(quality.Runner(model, "numpy"),
-                                    [quality.Float16KVCache() for _ in model.layers], ids, args.chunk)
+        ppl, _ = quality.perplexity(
+            quality.Runner(model, "numpy"),
+            [quality.Float16KVCache() for _ in model.layers],
+            ids,
+            args.chunk,
+        )
         print(f"| fp16 KV | – | 4-bit, unfolded | {ppl:.4f} | | |", flush=True)
-        labels = {"unfolded": "4-bit, unfolded", "dequantize": "fold, v/o dequantized",
-                  "requantize": "fold, v/o requantized 4-bit g32",
-                  "control": "control: unfolded, v_proj summed in float64"}
+        labels = {
+            "unfolded": "4-bit, unfolded",
+            "dequantize": "fold, v/o dequantized",
+            "requantize": "fold, v/o requantized 4-bit g32",
+            "control": "control: unfolded, v_proj summed in float64",
+        }
         summary = []
         for preset in presets:
             deltas = {m: [] for m in ("dequantize", "requantize", "control")}
@@ -152,7 +164,9 @@ def main(argv=None):
                         for layer in model.layers:
                             layer.self_attn.v_proj.__class__ = Float64Linear
                     t0 = time.perf_counter()
-                    ppl, _ = quality.perplexity(runner, cache_for(model, preset, seed), ids, args.chunk)
+                    ppl, _ = quality.perplexity(
+                        runner, cache_for(model, preset, seed), ids, args.chunk
+                    )
                     dt = time.perf_counter() - t0
                     if mode == "unfolded":
                         base = ppl
@@ -161,14 +175,22 @@ def main(argv=None):
                     else:
                         deltas[mode].append(100 * (ppl / base - 1))
                         delta = f"{deltas[mode][-1]:+.3f}%"
-                    print(f"| {preset} | {seed} | {labels[mode]} | {ppl:.4f} | {delta} | {dt:.0f} |",
-                          flush=True)
+                    print(
+                        f"| {preset} | {seed} | {labels[mode]} | {ppl:.4f} | {delta} | {dt:.0f} |",
+                        flush=True,
+                    )
                     log(f"[ppl] {preset} seed {seed} {mode}: {ppl:.4f} ({dt:.0f} s)")
-            sd = statistics.stdev(base_ppls) / statistics.mean(base_ppls) * 100 if len(seeds) > 1 else 0
+            sd = (
+                statistics.stdev(base_ppls) / statistics.mean(base_ppls) * 100
+                if len(seeds) > 1
+                else 0
+            )
             summary.append(f"| {preset} | unfolded: seed-to-seed spread | {sd:.3f}% (std) |")
             for mode, d in deltas.items():
                 spread = f" ± {statistics.stdev(d):.3f}" if len(d) > 1 else ""
-                summary.append(f"| {preset} | {labels[mode]} | {statistics.mean(d):+.3f}%{spread} |")
+                summary.append(
+                    f"| {preset} | {labels[mode]} | {statistics.mean(d):+.3f}%{spread} |"
+                )
         print("\nMean change vs the unfolded model with the same seed (± std over seeds):\n")
         print("| preset | weights | perplexity change |")
         print("|---|---|---|")
@@ -177,8 +199,10 @@ def main(argv=None):
 
     if "memory" not in skip:
         print("## (b) Weight memory (MB)\n")
-        print("| weights | v_proj+o_proj, fp32 scales (CPU) | model, fp32 | "
-              "v_proj+o_proj, fp16 scales (GPU) | model, fp16 |")
+        print(
+            "| weights | v_proj+o_proj, fp32 scales (CPU) | model, fp32 | "
+            "v_proj+o_proj, fp16 scales (GPU) | model, fp16 |"
+        )
         print("|---|---|---|---|---|")
         for mode in MODES:
             row = []
@@ -189,16 +213,19 @@ def main(argv=None):
         print()
 
     if "decode" not in skip:
-        print(f"## (c) Decode on {mx.default_device()}, MLX matmuls, context "
-              f"{args.decode_context}, {args.decode_steps} steps, preset {presets[0]}\n")
+        print(
+            f"## (c) Decode on {mx.default_device()}, MLX matmuls, context "
+            f"{args.decode_context}, {args.decode_steps} steps, preset {presets[0]}\n"
+        )
         models = {m: load(m, presets[0], args.seed) for m in MODES}
         tok = models["unfolded"][1]
         ids = tok.encode(quality.license_text())[: args.decode_context]
         rates = {m: [] for m in MODES}
         for r in range(args.decode_repeats):
             for m in MODES:
-                rates[m].append(decode_tps(models[m][0], tok, ids, presets[0], args.seed,
-                                           args.decode_steps))
+                rates[m].append(
+                    decode_tps(models[m][0], tok, ids, presets[0], args.seed, args.decode_steps)
+                )
                 log(f"[decode] round {r} {m}: {rates[m][-1]:.2f} tok/s")
         print("| weights | tokens/s (median) | runs |")
         print("|---|---|---|")

@@ -73,8 +73,23 @@ def run_one(a):
 
         def call():
             return ops.compressed_attention(
-                q, kc, ks, vc, vs, kcent, vcent, n, scale, a.kb, a.vb, True, tail_k=tk, tail_v=tv,
-                rotation_signs=signs, key_mean=mu_k, value_mean=mu_v,
+                q,
+                kc,
+                ks,
+                vc,
+                vs,
+                kcent,
+                vcent,
+                n,
+                scale,
+                a.kb,
+                a.vb,
+                True,
+                tail_k=tk,
+                tail_v=tv,
+                rotation_signs=signs,
+                key_mean=mu_k,
+                value_mean=mu_v,
             )[0]
 
     for _ in range(3):
@@ -95,9 +110,23 @@ def ncu_call_time(args, calls, cache_control="all", kernel=None):
     configuration under ncu; `kernel` sets TURBOQUANT_CUDA_ATTENTION (None: the default
     selection, the tensor-core kernel where it applies)."""
     cmd = [
-        "ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", cache_control,
-        "--metrics", f"gpu__time_duration.sum,{INST}", "--csv", "--print-units", "base",
-        sys.executable, os.path.abspath(__file__), "--calls", str(calls), *args,
+        "ncu",
+        "--profile-from-start",
+        "off",
+        "--clock-control",
+        "none",
+        "--cache-control",
+        cache_control,
+        "--metrics",
+        f"gpu__time_duration.sum,{INST}",
+        "--csv",
+        "--print-units",
+        "base",
+        sys.executable,
+        os.path.abspath(__file__),
+        "--calls",
+        str(calls),
+        *args,
     ]
     env = dict(os.environ)
     env.pop("TURBOQUANT_CUDA_ATTENTION", None)
@@ -106,7 +135,9 @@ def ncu_call_time(args, calls, cache_control="all", kernel=None):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith('"')]
     if not rows:
-        raise RuntimeError(f"ncu gave no kernels for {args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+        raise RuntimeError(
+            f"ncu gave no kernels for {args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+        )
     per_kernel, inst = {}, 0.0
     for r in csv.DictReader(io.StringIO("\n".join(rows))):
         value = float(r["Metric Value"].replace(",", ""))
@@ -130,7 +161,9 @@ def driver(a):
 
     mlx_bw, torch_bw = device_bandwidth()
     bw = torch_bw or mlx_bw
-    print(f"Device copy bandwidth (read+write, {'torch' if torch_bw else 'MLX'}): {bw / 1e12:.2f} TB/s")
+    print(
+        f"Device copy bandwidth (read+write, {'torch' if torch_bw else 'MLX'}): {bw / 1e12:.2f} TB/s"
+    )
     lengths = [int(x) for x in a.lengths.split(",")]
     pairs = [tuple(int(c) for c in p.split("v")) for p in a.bits.split(",")]
     shapes = [(32, 8, 128)]
@@ -141,7 +174,8 @@ def driver(a):
         l2 = "L2 flushed before each kernel" if a.cache_control == "all" else "L2 not flushed"
         print(f"\n### Device time per call (ncu, {l2}), B=1, {hq}q/{hkv}kv d{d}, one query token\n")
         head = "| context | fp16 SDPA µs |" + "".join(
-            f" K{kb}V{vb} µs | × fp16 | % BW |" for kb, vb in pairs)
+            f" K{kb}V{vb} µs | × fp16 | % BW |" for kb, vb in pairs
+        )
         print(head)
         print("|---:|---:|" + "---:|---:|---:|" * len(pairs))
         for n in lengths:
@@ -154,18 +188,36 @@ def driver(a):
                     t_sdpa, parts_sdpa = math.nan, {}
                 else:
                     t_sdpa, parts_sdpa, _ = ncu_call_time(
-                        ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control)
+                        ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control
+                    )
                 t_sdpa_runs.append(t_sdpa)
                 details.append(f"sdpa {t_sdpa:.1f} {parts_sdpa}")
                 for kb, vb in pairs:
                     t, parts, _ = ncu_call_time(
-                        ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
-                         "--tail", str(a.tail), *shape]
+                        [
+                            "--one",
+                            "tq",
+                            "--context",
+                            str(n),
+                            "--kb",
+                            str(kb),
+                            "--vb",
+                            str(vb),
+                            "--tail",
+                            str(a.tail),
+                            *shape,
+                        ]
                         + (["--op-rotation"] if a.op_rotation else [])
-                        + (["--centered"] if a.centered else []), a.calls, a.cache_control)
+                        + (["--centered"] if a.centered else []),
+                        a.calls,
+                        a.cache_control,
+                    )
                     t_runs[(kb, vb)].append(t)
-                    details.append(f"K{kb}V{vb} {t:.1f} (" + ", ".join(
-                        f"{k} {v:.1f}" for k, v in parts.items()) + f"), x{t_sdpa / t:.2f}")
+                    details.append(
+                        f"K{kb}V{vb} {t:.1f} ("
+                        + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                        + f"), x{t_sdpa / t:.2f}"
+                    )
             t_sdpa = statistics.median(t_sdpa_runs)
             line = f"| {n // 1024}k | {t_sdpa:.1f} |"
             for kb, vb in pairs:
@@ -191,29 +243,55 @@ def kernel_table(a, lengths, pairs):
     kernels = a.kernels.split(",")
     for hq, hkv, d in [(32, 8, 128)] + ([(16, 2, 256)] if a.d256 else []):
         shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
-        print(f"\n### Attention kernels compared (ncu), B=1, {hq}q/{hkv}kv d{d}, one query "
-              "token; inst/coord = warp instructions x 32 / (KV heads x context x D x 2)\n")
+        print(
+            f"\n### Attention kernels compared (ncu), B=1, {hq}q/{hkv}kv d{d}, one query "
+            "token; inst/coord = warp instructions x 32 / (KV heads x context x D x 2)\n"
+        )
         print("| context | bits | kernel | µs | × fp16 SDPA | warp inst | inst/coord |")
         print("|---:|---|---|---:|---:|---:|---:|")
         for n in lengths:
-            t_sdpa, _, _ = ncu_call_time(["--one", "sdpa", "--context", str(n), *shape],
-                                         a.calls, a.cache_control)
+            t_sdpa, _, _ = ncu_call_time(
+                ["--one", "sdpa", "--context", str(n), *shape], a.calls, a.cache_control
+            )
             coords = hkv * n * d * 2
             for kb, vb in pairs:
                 for kernel in kernels:
                     try:
                         t, parts, inst = ncu_call_time(
-                            ["--one", "tq", "--context", str(n), "--kb", str(kb), "--vb", str(vb),
-                             "--tail", str(a.tail), *shape], a.calls, a.cache_control,
-                            kernel=None if kernel == "default" else kernel)
+                            [
+                                "--one",
+                                "tq",
+                                "--context",
+                                str(n),
+                                "--kb",
+                                str(kb),
+                                "--vb",
+                                str(vb),
+                                "--tail",
+                                str(a.tail),
+                                *shape,
+                            ],
+                            a.calls,
+                            a.cache_control,
+                            kernel=None if kernel == "default" else kernel,
+                        )
                     except Exception as e:  # noqa: BLE001 (one failed kernel keeps the table)
-                        print(f"| {n // 1024}k | K{kb}V{vb} | {kernel} | failed: "
-                              f"{str(e).splitlines()[0][:80]} | | | |", flush=True)
+                        print(
+                            f"| {n // 1024}k | K{kb}V{vb} | {kernel} | failed: "
+                            f"{str(e).splitlines()[0][:80]} | | | |",
+                            flush=True,
+                        )
                         continue
-                    print(f"| {n // 1024}k | K{kb}V{vb} | {kernel} | {t:.1f} | {t_sdpa / t:.2f} | "
-                          f"{inst:.3g} | {inst * 32 / coords:.2f} |", flush=True)
-                    print(f"    {n // 1024}k K{kb}V{vb} {kernel}: " + ", ".join(
-                        f"{k} {v:.1f}" for k, v in parts.items()), file=sys.stderr)
+                    print(
+                        f"| {n // 1024}k | K{kb}V{vb} | {kernel} | {t:.1f} | {t_sdpa / t:.2f} | "
+                        f"{inst:.3g} | {inst * 32 / coords:.2f} |",
+                        flush=True,
+                    )
+                    print(
+                        f"    {n // 1024}k K{kb}V{vb} {kernel}: "
+                        + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()),
+                        file=sys.stderr,
+                    )
 
 
 def main():
@@ -226,31 +304,47 @@ def main():
     p.add_argument("--kb", type=int, default=4)
     p.add_argument("--vb", type=int, default=4)
     p.add_argument("--tail", type=int, default=0, help="uncompressed tail tokens (tq4: 36)")
-    p.add_argument("--op-rotation", action="store_true",
-                   help="queries in model space, rotated (and the output rotated back) by "
-                        "the op, as the cache calls it for power-of-two head dims")
-    p.add_argument("--centered", action="store_true",
-                   help="key and value means, as a mean-centered cache (tq4) calls the op")
+    p.add_argument(
+        "--op-rotation",
+        action="store_true",
+        help="queries in model space, rotated (and the output rotated back) by "
+        "the op, as the cache calls it for power-of-two head dims",
+    )
+    p.add_argument(
+        "--centered",
+        action="store_true",
+        help="key and value means, as a mean-centered cache (tq4) calls the op",
+    )
     p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="measurements of each method per context, alternating; the table "
-                        "gives medians, and with more than one the range of the paired ratios")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measurements of each method per context, alternating; the table "
+        "gives medians, and with more than one the range of the paired ratios",
+    )
     p.add_argument("--lengths", default="4096,32768,131072,262144")
     p.add_argument("--bits", default="4v4,3v3", help="key/value bit pairs")
     p.add_argument("--d256", action="store_true", help="also the head-dim-256 shapes")
     p.add_argument("--no-sdpa", action="store_true", help="skip fp16 SDPA (ratios print nan)")
-    p.add_argument("--kernels", default="",
-                   help="also compare these attention kernels (TURBOQUANT_CUDA_ATTENTION "
-                        "values: simt = the portable kernel, simd = the Metal simdgroup-matrix "
-                        "kernel through its CUDA emulation, default = the tensor-core kernel) "
-                        "by device time and instructions per coordinate")
-    p.add_argument("--kernels-only", action="store_true",
-                   help="print only the --kernels table")
-    p.add_argument("--cache-control", choices=("all", "none"), default="all",
-                   help="ncu's --cache-control: all = L2 flushed before every kernel (the "
-                        "default: each kernel reads everything from device memory, also the "
-                        "query and the split-K partials), none = caches left as the previous "
-                        "kernel left them")
+    p.add_argument(
+        "--kernels",
+        default="",
+        help="also compare these attention kernels (TURBOQUANT_CUDA_ATTENTION "
+        "values: simt = the portable kernel, simd = the Metal simdgroup-matrix "
+        "kernel through its CUDA emulation, default = the tensor-core kernel) "
+        "by device time and instructions per coordinate",
+    )
+    p.add_argument("--kernels-only", action="store_true", help="print only the --kernels table")
+    p.add_argument(
+        "--cache-control",
+        choices=("all", "none"),
+        default="all",
+        help="ncu's --cache-control: all = L2 flushed before every kernel (the "
+        "default: each kernel reads everything from device memory, also the "
+        "query and the split-K partials), none = caches left as the previous "
+        "kernel left them",
+    )
     a = p.parse_args()
     if a.one:
         run_one(a)

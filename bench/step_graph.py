@@ -83,8 +83,10 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     a = p.parse_args(argv)
-    print(f"One decode step of one layer: {a.heads} query / {a.kv_heads} KV heads, head dim "
-          f"{a.head_dim}, {a.context} cached tokens, {mx.default_device()}\n")
+    print(
+        f"One decode step of one layer: {a.heads} query / {a.kv_heads} KV heads, head dim "
+        f"{a.head_dim}, {a.context} cached tokens, {mx.default_device()}\n"
+    )
     print("| cache | operations (not views) | concatenations | of which | views |")
     print("|---|---:|---:|---|---:|")
     for name in a.caches.split(","):
@@ -94,8 +96,10 @@ def main(argv=None):
         kinds = collections.Counter(work)
         detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
         print(f"| {name} | {len(work)} | {kinds.get('Concatenate', 0)} | {detail} | {len(views)} |")
-    print("\nContiguous nodes are left out: they copy only when their input is a strided "
-          "view (on MLX's CUDA backend a non-contiguous token slice before quantize_append).")
+    print(
+        "\nContiguous nodes are left out: they copy only when their input is a strided "
+        "view (on MLX's CUDA backend a non-contiguous token slice before quantize_append)."
+    )
     return 0
 
 

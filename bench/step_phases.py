@@ -75,8 +75,9 @@ def main(argv=None):
     dtype = getattr(mx, a.dtype or ("float16" if mx.default_device() == mx.gpu else "float32"))
     model = bd.build_model(a, dtype)
     names = [x.strip() for x in a.caches.split(",") if x.strip()]
-    print(f"mlx {mx.__version__}, {mx.default_device()}: ms per step (median), one step at a "
-          "time\n")
+    print(
+        f"mlx {mx.__version__}, {mx.default_device()}: ms per step (median), one step at a time\n"
+    )
     print("| context | cache | build | launch (encode) | wait (device) | total |")
     print("|---:|---|---:|---:|---:|---:|")
     for ctx in (int(x) for x in a.contexts.split(",")):
@@ -91,22 +92,27 @@ def main(argv=None):
         if os.environ.get("TQ_PROFILER_RANGE") == "1":
             _profiler_range(True)
         for r in range(a.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                got = phases(model, held[name], a.warmup + a.steps, a.warmup,
-                             profiles.get(name))
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                got = phases(model, held[name], a.warmup + a.steps, a.warmup, profiles.get(name))
                 for k, v in got.items():
                     times[name][k] += v
         if os.environ.get("TQ_PROFILER_RANGE") == "1":
             _profiler_range(False)
         for name in names:
             med = {k: statistics.median(v) * 1e3 for k, v in times[name].items()}
-            print(f"| {ctx // 1024}k | {name} | {med['build']:.2f} | {med['launch']:.2f} | "
-                  f"{med['wait']:.2f} | {sum(med.values()):.2f} |", flush=True)
+            print(
+                f"| {ctx // 1024}k | {name} | {med['build']:.2f} | {med['launch']:.2f} | "
+                f"{med['wait']:.2f} | {sum(med.values()):.2f} |",
+                flush=True,
+            )
         for name, prof in profiles.items():
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-            print(f"\n#### {ctx // 1024}k {name}: build + launch, "
-                  f"{len(times[name]['build'])} steps\n{text.getvalue()}", flush=True)
+            print(
+                f"\n#### {ctx // 1024}k {name}: build + launch, "
+                f"{len(times[name]['build'])} steps\n{text.getvalue()}",
+                flush=True,
+            )
         del held
         mx.clear_cache()
     return 0

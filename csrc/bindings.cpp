@@ -23,30 +23,47 @@ NB_MODULE(_ext, m) {
 
   m.attr("MAX_TAIL_TOKENS") = TQ_MAX_TAIL; // most tail tokens compressed_attention takes
 
-  m.def("words_per_token", &tq::words_per_token, "head_dim"_a, "bits"_a,
-        "32-bit words one token of `head_dim` coordinates takes at `bits` bits.");
+  m.def(
+      "words_per_token",
+      &tq::words_per_token,
+      "head_dim"_a,
+      "bits"_a,
+      "32-bit words one token of `head_dim` coordinates takes at `bits` bits.");
 
-  m.def("buffer_copies", &tq::buffer_copies,
-        "Cache-buffer copies the primitives made so far in this process: a quantize_append "
-        "that could not reuse the cache's buffers (O(capacity) instead of O(new tokens)), or "
-        "an attention call that copied codes its kernel cannot read in place. "
-        "TURBOQUANT_DEBUG_COPIES=1 prints each one's cause to stderr.");
-  m.def("_set_env_switch", &tq::set_env_switch, "name"_a, "value"_a.none(),
-        "Sets a TURBOQUANT_* environment switch (None: unset) for the rest of the process, "
-        "as if the environment had held that value when it was first read: the switches "
-        "are read once (docs/ARCHITECTURE.md). For tests and benchmarks.");
-  m.def("gpu_available", &tq::gpu::available,
-        "True when this build carries GPU kernels.");
-  m.def("gpu_backend", &tq::gpu::backend_name,
-        "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
-  m.def("gpu_pool_memory", &tq::gpu::pool_memory, "reset_peak"_a = false,
-        "[in use, peak in use, held free] bytes of device memory the GPU backend allocates "
-        "outside MLX's allocator (CUDA: outputs and temporaries of the ops), which "
-        "mx.get_peak_memory does not see; reset_peak restarts the peak. Zeros elsewhere.");
-  m.def("_simdgroup_matrix_check", &tq::gpu::simdgroup_matrix_check, "a"_a, "b"_a, "c"_a,
-        "For tests: the CUDA build's emulation of Metal's simdgroup matrices run on 8x8 "
-        "row-major a, b, c (64 floats each); returns 8 x 64 floats (what the lanes held and "
-        "stored, see csrc/cuda/simdgroup_matrix_check.cu). Raises on other builds.");
+  m.def(
+      "buffer_copies",
+      &tq::buffer_copies,
+      "Cache-buffer copies the primitives made so far in this process: a quantize_append "
+      "that could not reuse the cache's buffers (O(capacity) instead of O(new tokens)), or "
+      "an attention call that copied codes its kernel cannot read in place. "
+      "TURBOQUANT_DEBUG_COPIES=1 prints each one's cause to stderr.");
+  m.def(
+      "_set_env_switch",
+      &tq::set_env_switch,
+      "name"_a,
+      "value"_a.none(),
+      "Sets a TURBOQUANT_* environment switch (None: unset) for the rest of the process, "
+      "as if the environment had held that value when it was first read: the switches "
+      "are read once (docs/ARCHITECTURE.md). For tests and benchmarks.");
+  m.def("gpu_available", &tq::gpu::available, "True when this build carries GPU kernels.");
+  m.def(
+      "gpu_backend", &tq::gpu::backend_name, "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
+  m.def(
+      "gpu_pool_memory",
+      &tq::gpu::pool_memory,
+      "reset_peak"_a = false,
+      "[in use, peak in use, held free] bytes of device memory the GPU backend allocates "
+      "outside MLX's allocator (CUDA: outputs and temporaries of the ops), which "
+      "mx.get_peak_memory does not see; reset_peak restarts the peak. Zeros elsewhere.");
+  m.def(
+      "_simdgroup_matrix_check",
+      &tq::gpu::simdgroup_matrix_check,
+      "a"_a,
+      "b"_a,
+      "c"_a,
+      "For tests: the CUDA build's emulation of Metal's simdgroup matrices run on 8x8 "
+      "row-major a, b, c (64 floats each); returns 8 x 64 floats (what the lanes held and "
+      "stored, see csrc/cuda/simdgroup_matrix_check.cu). Raises on other builds.");
 
   m.def(
       "quantize_append",

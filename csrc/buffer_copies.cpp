@@ -30,8 +30,12 @@ void count_buffer_copy(const char* op, const mx::array& in) {
         stderr,
         "[turboquant_mlx] %s copies a %zu-byte buffer (row_contiguous=%d, donatable=%d, "
         "data refs=%ld, owned by MLX's allocator=%d)\n",
-        op, in.nbytes(), int(in.flags().row_contiguous), int(in.is_donatable()),
-        long(in.data_shared_ptr().use_count()), int(in.data_shared_ptr()->is_owned()));
+        op,
+        in.nbytes(),
+        int(in.flags().row_contiguous),
+        int(in.is_donatable()),
+        long(in.data_shared_ptr().use_count()),
+        int(in.data_shared_ptr()->is_owned()));
   }
 }
 

@@ -39,8 +39,8 @@ inline std::optional<std::string> env_switch(const char* name) {
   if (it == s.values.end()) {
     const char* v = std::getenv(name);
     it = s.values
-             .emplace(name, v != nullptr && *v != '\0' ? std::optional<std::string>(v)
-                                                       : std::nullopt)
+             .emplace(
+                 name, v != nullptr && *v != '\0' ? std::optional<std::string>(v) : std::nullopt)
              .first;
   }
   return it->second;

@@ -1,7 +1,7 @@
 // Layout: host code, every build.
 // Op functions: validate the inputs, then build the primitive (ops.h).
-#include <limits>
 #include "ops.h"
+#include <limits>
 
 #include <cstdlib>
 #include <stdexcept>
@@ -60,11 +60,7 @@ void check_bits(const char* op, const char* what, int bits) {
 
 void check_head_dim(const char* op, int head_dim) {
   if (head_dim < 32 || head_dim > 256 || head_dim % 32 != 0) {
-    fail(
-        op,
-        "head dim must be a multiple of 32 in [32, 256], got ",
-        head_dim,
-        ".");
+    fail(op, "head dim must be a multiple of 32 in [32, 256], got ", head_dim, ".");
   }
 }
 
@@ -284,8 +280,7 @@ PreparedAppend prepare_append(
   }
   a.rest.push_back(mx::astype(centroids, mx::float32, stream));
   if (mean) {
-    a.rest.push_back(
-        mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
+    a.rest.push_back(mean_input(op, "mean", *mean, x.shape(0), x.shape(1), head_dim, stream));
   }
   return a;
 }
@@ -368,11 +363,31 @@ std::vector<PreparedAppend> prepare_kv_appends(
     bool tokens_are_inputs = true) {
   std::vector<PreparedAppend> appends;
   appends.push_back(prepare_append(
-      op, "key cache", k_codes, k_scales, keys, k_centroids, offset, key_bits,
-      key_rotation_signs, key_mean, stream, tokens_are_inputs));
+      op,
+      "key cache",
+      k_codes,
+      k_scales,
+      keys,
+      k_centroids,
+      offset,
+      key_bits,
+      key_rotation_signs,
+      key_mean,
+      stream,
+      tokens_are_inputs));
   appends.push_back(prepare_append(
-      op, "value cache", v_codes, v_scales, values, v_centroids, offset, value_bits,
-      value_rotation_signs, value_mean, stream, tokens_are_inputs));
+      op,
+      "value cache",
+      v_codes,
+      v_scales,
+      values,
+      v_centroids,
+      offset,
+      value_bits,
+      value_rotation_signs,
+      value_mean,
+      stream,
+      tokens_are_inputs));
   if (keys.shape(2) != values.shape(2) || k_codes.shape(2) != v_codes.shape(2)) {
     fail(
         op,
@@ -404,8 +419,17 @@ std::vector<mx::array> quantize_append(
     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   auto a = prepare_append(
-      "quantize_append", "cache", codes, scales, x, centroids, offset, bits, rotation_signs,
-      mean, stream);
+      "quantize_append",
+      "cache",
+      codes,
+      scales,
+      x,
+      centroids,
+      offset,
+      bits,
+      rotation_signs,
+      mean,
+      stream);
   return append_nodes(
       "quantize_append", {{codes, scales}}, {std::move(a)}, offset, in_place, stream);
 }
@@ -430,11 +454,29 @@ std::vector<mx::array> quantize_append_kv(
   constexpr const char* op = "quantize_append_kv";
   auto stream = mx::to_stream(s);
   auto appends = prepare_kv_appends(
-      op, k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
-      key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
+      op,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      keys,
+      values,
+      k_centroids,
+      v_centroids,
+      offset,
+      key_bits,
+      value_bits,
+      key_rotation_signs,
+      value_rotation_signs,
+      key_mean,
+      value_mean,
       stream);
   return append_nodes(
-      op, {{k_codes, k_scales}, {v_codes, v_scales}}, appends, offset, /* in_place = */ true,
+      op,
+      {{k_codes, k_scales}, {v_codes, v_scales}},
+      appends,
+      offset,
+      /* in_place = */ true,
       stream);
 }
 
@@ -459,10 +501,18 @@ void check_token_write(
   }
   check_float(op, what, buffer);
   if (x.dtype() != buffer.dtype()) {
-    fail(op, "the tokens have dtype ", dtype_str(x.dtype()), " but the ", what, " ",
-         dtype_str(buffer.dtype()), ".");
+    fail(
+        op,
+        "the tokens have dtype ",
+        dtype_str(x.dtype()),
+        " but the ",
+        what,
+        " ",
+        dtype_str(buffer.dtype()),
+        ".");
   }
-  if (x.shape(0) != buffer.shape(0) || x.shape(1) != buffer.shape(1) || x.shape(3) != buffer.shape(3)) {
+  if (x.shape(0) != buffer.shape(0) || x.shape(1) != buffer.shape(1) ||
+      x.shape(3) != buffer.shape(3)) {
     fail(
         op,
         "tokens ",
@@ -486,7 +536,10 @@ mx::array write_tokens(
   check_token_write("write_tokens", "buffer", buffer, x, offset);
   auto stream = mx::to_stream(s);
   return mx::array(
-      buffer.shape(), buffer.dtype(), std::make_shared<WriteTokens>(stream, offset, 1), {buffer, x});
+      buffer.shape(),
+      buffer.dtype(),
+      std::make_shared<WriteTokens>(stream, offset, 1),
+      {buffer, x});
 }
 
 std::vector<mx::array> write_tokens_kv(
@@ -539,9 +592,24 @@ std::vector<mx::array> ring_append_kv(
   // The append's checks, on the leaving tokens (the new tokens' shape and dtype);
   // its x is then the ring itself, whose slots the node reads.
   auto appends = prepare_kv_appends(
-      op, k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
-      key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
-      stream, /* tokens_are_inputs = */ false);
+      op,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      keys,
+      values,
+      k_centroids,
+      v_centroids,
+      offset,
+      key_bits,
+      value_bits,
+      key_rotation_signs,
+      value_rotation_signs,
+      key_mean,
+      value_mean,
+      stream,
+      /* tokens_are_inputs = */ false);
   std::vector<mx::array> inputs;
   std::vector<AppendPart> parts;
   const std::pair<mx::array, mx::array> buffers[2] = {{k_codes, k_scales}, {v_codes, v_scales}};
@@ -557,9 +625,17 @@ std::vector<mx::array> ring_append_kv(
   inputs.push_back(values);
   inputs.insert(inputs.end(), after.begin(), after.end());
   return mx::array::make_arrays(
-      {k_codes.shape(), k_scales.shape(), v_codes.shape(), v_scales.shape(), k_ring.shape(),
+      {k_codes.shape(),
+       k_scales.shape(),
+       v_codes.shape(),
+       v_scales.shape(),
+       k_ring.shape(),
        v_ring.shape()},
-      {k_codes.dtype(), k_scales.dtype(), v_codes.dtype(), v_scales.dtype(), k_ring.dtype(),
+      {k_codes.dtype(),
+       k_scales.dtype(),
+       v_codes.dtype(),
+       v_scales.dtype(),
+       k_ring.dtype(),
        v_ring.dtype()},
       std::make_shared<RingAppend>(stream, offset, slot, std::move(parts)),
       std::move(inputs));
@@ -594,8 +670,7 @@ std::vector<mx::array> compressed_attention(
   if (q.ndim() != 4) {
     fail(op, "queries must have shape (B, Hq, L, D), got ", shape_str(q.shape()), ".");
   }
-  int batch = q.shape(0), n_q_heads = q.shape(1), q_len = q.shape(2),
-      head_dim = q.shape(3);
+  int batch = q.shape(0), n_q_heads = q.shape(1), q_len = q.shape(2), head_dim = q.shape(3);
   check_head_dim(op, head_dim);
   if (q_len < 1 || q_len > 8) {
     fail(
@@ -622,12 +697,7 @@ std::vector<mx::array> compressed_attention(
   int n_kv_heads = k_codes.shape(1);
   if (n_q_heads % n_kv_heads != 0) {
     fail(
-        op,
-        "query heads (",
-        n_q_heads,
-        ") must be a multiple of the KV heads (",
-        n_kv_heads,
-        ").");
+        op, "query heads (", n_q_heads, ") must be a multiple of the KV heads (", n_kv_heads, ").");
   }
   if (k_codes.shape(3) * 32 / key_bits != head_dim ||
       v_codes.shape(3) * 32 / value_bits != head_dim) {
@@ -756,8 +826,7 @@ std::vector<mx::array> compressed_attention(
   // queries' type; Metal's in float32. Otherwise a node of its own converts it.
   static const bool cuda_build = std::string(gpu::backend_name()) == "cuda";
   const bool on_cpu = stream.device == mx::Device::cpu;
-  const bool direct =
-      on_cpu || want == mx::float32 || (cuda_build && want == inputs[0].dtype());
+  const bool direct = on_cpu || want == mx::float32 || (cuda_build && want == inputs[0].dtype());
   params.out_dtype = direct ? want : mx::float32;
   auto outs = mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},
@@ -806,15 +875,31 @@ mx::array dequantize(
     if (!rows) {
       return;
     }
-    const mx::Shape want{codes.shape(0), codes.shape(1), rows->ndim() == 4 ? rows->shape(2) : 0,
-                         head_dim};
+    const mx::Shape want{
+        codes.shape(0), codes.shape(1), rows->ndim() == 4 ? rows->shape(2) : 0, head_dim};
     if (rows->shape() != want) {
-      fail(op, what, " must have shape (", want[0], ", ", want[1], ", n, ", head_dim,
-           ") to match the cache, got ", shape_str(rows->shape()), ".");
+      fail(
+          op,
+          what,
+          " must have shape (",
+          want[0],
+          ", ",
+          want[1],
+          ", n, ",
+          head_dim,
+          ") to match the cache, got ",
+          shape_str(rows->shape()),
+          ".");
     }
     if (rows->dtype() != dtype) {
-      fail(op, what, " must have the output's dtype ", dtype_str(dtype), ", got ",
-           dtype_str(rows->dtype()), ".");
+      fail(
+          op,
+          what,
+          " must have the output's dtype ",
+          dtype_str(dtype),
+          ", got ",
+          dtype_str(rows->dtype()),
+          ".");
     }
     if (slots != 0 && slots != rows->shape(2)) {
       fail(op, what, " has ", rows->shape(2), " tokens but ", slots, " slots were asked for.");
@@ -825,8 +910,15 @@ mx::array dequantize(
   check_rows("suffix", suffix, after);
   const int64_t slots = static_cast<int64_t>(before) + length + after;
   if (before < 0 || after < 0 || slots > std::numeric_limits<int>::max()) {
-    fail(op, "before and after must be >= 0 with before + length + after < 2^31, got before ",
-         before, ", after ", after, " for ", length, " tokens.");
+    fail(
+        op,
+        "before and after must be >= 0 with before + length + after < 2^31, got before ",
+        before,
+        ", after ",
+        after,
+        " for ",
+        length,
+        " tokens.");
   }
   auto stream = mx::to_stream(s);
   const mx::Shape shape{codes.shape(0), codes.shape(1), static_cast<int>(slots), head_dim};
@@ -843,8 +935,17 @@ mx::array dequantize(
   if (into) {
     const int64_t need = static_cast<int64_t>(shape[0]) * shape[1] * shape[2] * shape[3];
     if (into->dtype() != dtype || static_cast<int64_t>(into->size()) < need) {
-      fail(op, "into must be a ", dtype_str(dtype), " array of at least ", need,
-           " elements, got ", dtype_str(into->dtype()), " with ", into->size(), ".");
+      fail(
+          op,
+          "into must be a ",
+          dtype_str(dtype),
+          " array of at least ",
+          need,
+          " elements, got ",
+          dtype_str(into->dtype()),
+          " with ",
+          into->size(),
+          ".");
     }
     // (a copy would defeat the reuse: the buffer itself is written)
     if (into->is_available() && !into->flags().row_contiguous) {
@@ -856,7 +957,14 @@ mx::array dequantize(
       shape,
       dtype,
       std::make_shared<Dequantize>(
-          stream, bits, start, length, before, after, prefix.has_value(), suffix.has_value(),
+          stream,
+          bits,
+          start,
+          length,
+          before,
+          after,
+          prefix.has_value(),
+          suffix.has_value(),
           into.has_value()),
       std::move(inputs));
 }

@@ -85,9 +85,16 @@ void check_tokens_apart(
     for (int i = 0; i < n; ++i) {
       if (reads_written_slots(inputs[i], x, offset)) {
         throw std::invalid_argument(message(
-            "[turboquant_mlx.", op, "] the ", token_names[j],
-            " share memory with the slots [", offset, ", ", int64_t(offset) + x.shape(2),
-            ") of the ", buffer_names[i],
+            "[turboquant_mlx.",
+            op,
+            "] the ",
+            token_names[j],
+            " share memory with the slots [",
+            offset,
+            ", ",
+            int64_t(offset) + x.shape(2),
+            ") of the ",
+            buffer_names[i],
             " that they are written to; pass a copy of them. Nothing was written."));
       }
     }
@@ -101,22 +108,22 @@ void check_write(const WriteTokens& prim, const std::vector<mx::array>& inputs) 
   static const char* const kv_tokens[] = {"keys", "values"};
   const bool pair = prim.buffers() == 2;
   check_tokens_apart(
-      pair ? "write_tokens_kv" : "write_tokens", pair ? kv : one, pair ? kv_tokens : one_tokens,
-      inputs, prim.buffers(), prim.offset());
+      pair ? "write_tokens_kv" : "write_tokens",
+      pair ? kv : one,
+      pair ? kv_tokens : one_tokens,
+      inputs,
+      prim.buffers(),
+      prim.offset());
 }
 
 } // namespace
 
-void WriteTokens::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void WriteTokens::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   check_write(*this, inputs);
   cpu::write_tokens(*this, stream(), inputs, outputs);
 }
 
-void WriteTokens::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void WriteTokens::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   check_write(*this, inputs);
   gpu::write_tokens(*this, stream(), inputs, outputs);
 }
@@ -149,8 +156,12 @@ void RingAppend::eval(
     static const char* const rings[] = {"key ring", "value ring"};
     static const char* const tokens[] = {"keys", "values"};
     check_tokens_apart(
-        "ring_append_kv", rings, tokens,
-        {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]}, 2, slot);
+        "ring_append_kv",
+        rings,
+        tokens,
+        {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]},
+        2,
+        slot);
   }
   // 1. The leaving tokens into the compressed caches, read where they are: a view of
   //    each ring (float32 row-major copies on the CPU, whose kernel reads those).
@@ -182,15 +193,11 @@ void RingAppend::eval(
   }
 }
 
-void RingAppend::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void RingAppend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   eval(false, inputs, outputs);
 }
 
-void RingAppend::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void RingAppend::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   eval(true, inputs, outputs);
 }
 
@@ -210,29 +217,23 @@ bool CompressedAttention::is_equivalent(const mx::Primitive& other) const {
   return params_ == static_cast<const CompressedAttention&>(other).params_;
 }
 
-std::vector<mx::Shape> CompressedAttention::output_shapes(
-    const std::vector<mx::array>& inputs) {
+std::vector<mx::Shape> CompressedAttention::output_shapes(const std::vector<mx::array>& inputs) {
   auto& q = inputs[0].shape();
   return {q, {q[0], q[1], q[2]}};
 }
 
-void Dequantize::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   cpu::dequantize(*this, stream(), inputs, outputs);
 }
 
-void Dequantize::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void Dequantize::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   gpu::dequantize(*this, stream(), inputs, outputs);
 }
 
 bool Dequantize::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Dequantize&>(other);
-  return bits_ == o.bits_ && start_ == o.start_ && length_ == o.length_ &&
-      before_ == o.before_ && after_ == o.after_ && prefix_ == o.prefix_ &&
-      suffix_ == o.suffix_ && into_ == o.into_;
+  return bits_ == o.bits_ && start_ == o.start_ && length_ == o.length_ && before_ == o.before_ &&
+      after_ == o.after_ && prefix_ == o.prefix_ && suffix_ == o.suffix_ && into_ == o.into_;
 }
 
 std::vector<mx::Shape> Dequantize::output_shapes(const std::vector<mx::array>& inputs) {

@@ -107,14 +107,12 @@ class QuantizeAppend : public mx::Primitive {
         in_place_(in_place),
         op_(op) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
-    return parts_.size() == 2    ? "QuantizeAppendKV"
-        : target_ == AppendTarget::Codes ? "QuantizeAppendCodes"
+    return parts_.size() == 2             ? "QuantizeAppendKV"
+        : target_ == AppendTarget::Codes  ? "QuantizeAppendCodes"
         : target_ == AppendTarget::Scales ? "QuantizeAppendScales"
                                           : "QuantizeAppend";
   }
@@ -197,10 +195,8 @@ class WriteTokens : public mx::Primitive {
   WriteTokens(mx::Stream stream, int offset, int buffers)
       : mx::Primitive(stream), offset_(offset), buffers_(buffers) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
     return buffers_ == 2 ? "WriteTokensKV" : "WriteTokens";
@@ -253,10 +249,8 @@ class RingAppend : public mx::Primitive {
             "ring_append_kv"),
         write_(stream, slot, 2) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
     return "RingAppendKV";
@@ -267,8 +261,13 @@ class RingAppend : public mx::Primitive {
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const size_t v = append_.inputs_of(0);
-    return {inputs[0].shape(), inputs[1].shape(), inputs[v].shape(), inputs[v + 1].shape(),
-            inputs[2].shape(), inputs[v + 2].shape()};
+    return {
+        inputs[0].shape(),
+        inputs[1].shape(),
+        inputs[v].shape(),
+        inputs[v + 1].shape(),
+        inputs[2].shape(),
+        inputs[v + 2].shape()};
   }
 
  private:
@@ -304,9 +303,8 @@ struct AttentionParams {
   bool operator==(const AttentionParams& o) const {
     return kv_len == o.kv_len && scale == o.scale && key_bits == o.key_bits &&
         value_bits == o.value_bits && causal == o.causal && has_mask == o.has_mask &&
-        mask_is_bool == o.mask_is_bool && has_tail == o.has_tail &&
-        rotation == o.rotation && rotate_output == o.rotate_output && centered == o.centered &&
-        out_dtype == o.out_dtype;
+        mask_is_bool == o.mask_is_bool && has_tail == o.has_tail && rotation == o.rotation &&
+        rotate_output == o.rotate_output && centered == o.centered && out_dtype == o.out_dtype;
   }
   // Positions of the optional inputs (see CompressedAttention).
   int tail_input() const {
@@ -330,10 +328,8 @@ class CompressedAttention : public mx::Primitive {
   CompressedAttention(mx::Stream stream, AttentionParams params)
       : mx::Primitive(stream), params_(params) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
     return "CompressedAttention";
@@ -381,10 +377,8 @@ class Dequantize : public mx::Primitive {
         suffix_(suffix),
         into_(into) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
-      override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
     return "Dequantize";

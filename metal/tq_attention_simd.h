@@ -244,7 +244,7 @@ TQ_FN void tq_attention_simd_impl(
     // S = Q . K^T
     simdgroup_matrix<float, 8, 8> s = simdgroup_matrix<float, 8, 8>(0.0f);
     TQ_NO_UNROLL // (s is the only accumulator: unrolled, the loop only holds more registers)
-    for (int kb = 0; kb < KBLK; ++kb) {
+        for (int kb = 0; kb < KBLK; ++kb) {
       simdgroup_matrix<tq_half, 8, 8> qm;
       simdgroup_matrix<tq_half, 8, 8> km;
       simdgroup_load(qm, qh + kb * 8, D);

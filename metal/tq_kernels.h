@@ -70,10 +70,7 @@ TQ_FN void tq_load_lane_codes(const TQ_DEV tq_uint* tok, int j, TQ_THR tq_uint* 
 
 /// Expands DL codes of B bits (LSB-first in a[]) into centroid values.
 template <int B, int DL>
-TQ_FN void tq_decode_lane(
-    TQ_THR const tq_uint* a,
-    const TQ_TG float* table,
-    TQ_THR float* out) {
+TQ_FN void tq_decode_lane(TQ_THR const tq_uint* a, const TQ_TG float* table, TQ_THR float* out) {
   TQ_UNROLL
   for (int i = 0; i < DL; ++i) {
     const int bit = i * B;
@@ -262,15 +259,26 @@ struct TQAttnCache {
 
 /// Loads key codes + scale of token slot u of the step starting at t0.
 template <int D, int KB, int VB>
-TQ_FN void tq_attn_load_k(TQ_THR TQAttnState<D, KB, VB>& st, TQ_THR const TQAttnCache& c, int u, int t0, int t_end) {
-  int t = min(t0 + c.first + u * TQAttnConfig<D>::GS, t_end - 1); // spare slots re-read a valid token
+TQ_FN void tq_attn_load_k(
+    TQ_THR TQAttnState<D, KB, VB>& st,
+    TQ_THR const TQAttnCache& c,
+    int u,
+    int t0,
+    int t_end) {
+  int t =
+      min(t0 + c.first + u * TQAttnConfig<D>::GS, t_end - 1); // spare slots re-read a valid token
   tq_load_lane_codes<KB, D, TQAttnConfig<D>::DL>(c.kc + t * c.kc_tok, c.j, st.ka[u]);
   st.ks[u] = tq_to_float(c.ks[t * c.ks_tok]);
 }
 
 /// Loads value codes + scale of token slot u of the step starting at t0.
 template <int D, int KB, int VB>
-TQ_FN void tq_attn_load_v(TQ_THR TQAttnState<D, KB, VB>& st, TQ_THR const TQAttnCache& c, int u, int t0, int t_end) {
+TQ_FN void tq_attn_load_v(
+    TQ_THR TQAttnState<D, KB, VB>& st,
+    TQ_THR const TQAttnCache& c,
+    int u,
+    int t0,
+    int t_end) {
   int t = min(t0 + c.first + u * TQAttnConfig<D>::GS, t_end - 1);
   tq_load_lane_codes<VB, D, TQAttnConfig<D>::DL>(c.vc + t * c.vc_tok, c.j, st.va[u]);
   st.vs[u] = tq_to_float(c.vs[t * c.vs_tok]);
@@ -518,8 +526,7 @@ TQ_FN void tq_attention_impl(
     }
     mt[r] = mm;
     lt[r] = ll;
-    const float f =
-        (mm == tq_neg_inf() || st.m[r] == tq_neg_inf()) ? 0.0f : tq_exp2(st.m[r] - mm);
+    const float f = (mm == tq_neg_inf() || st.m[r] == tq_neg_inf()) ? 0.0f : tq_exp2(st.m[r] - mm);
     // Across the GS groups of the simdgroup (lanes j, j+T, ... hold the same slice).
     TQ_UNROLL
     for (int i = 0; i < DL; ++i) {
@@ -564,8 +571,7 @@ TQ_FN void tq_attention_impl(
       }
       if (th.tid == 0) {
         if (single) {
-          lse[orow] = lt[r] > 0.0f ? (mt[r] + tq_log2(lt[r])) * 0.6931471805599453f
-                                   : tq_neg_inf();
+          lse[orow] = lt[r] > 0.0f ? (mt[r] + tq_log2(lt[r])) * 0.6931471805599453f : tq_neg_inf();
         } else {
           ml_part[prow * 2] = mt[r];
           ml_part[prow * 2 + 1] = lt[r];
@@ -587,8 +593,8 @@ TQ_FN void tq_attention_impl(
 ///   [tail_len > 0]; key_mean / value_mean (B, Hkv, D) float [centered]
 /// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
 /// COMPACT: fewer loads in flight (4 partials per coordinate, one tail key per group,
-/// 16 tail values staged) and at most TQ_MERGE_COMPACT_SPLITS splits, for a caller with fewer registers to
-/// spare (the CUDA tensor-core kernel's fused merge). OT: out's type (float, or the
+/// 16 tail values staged) and at most TQ_MERGE_COMPACT_SPLITS splits, for a caller with fewer
+/// registers to spare (the CUDA tensor-core kernel's fused merge). OT: out's type (float, or the
 /// queries' type: the layer's output without a conversion of its own).
 template <typename QT, int D, bool COMPACT = false, typename OT = float>
 TQ_FN void tq_attention_merge_impl(

@@ -71,8 +71,7 @@ struct TQAttnConfig {
   static constexpr int STEP = TQ_ATTN_SIMDGROUPS * GS * U; // tokens per threadgroup step
   // threadgroup floats: 2 codebooks (16 each), per-group (m, l) for RC rows, and one
   // o[RC][D] per simdgroup for the final reduction.
-  static constexpr int SMEM =
-      32 + 2 * TQ_ATTN_SIMDGROUPS * GS * RC + TQ_ATTN_SIMDGROUPS * RC * D;
+  static constexpr int SMEM = 32 + 2 * TQ_ATTN_SIMDGROUPS * GS * RC + TQ_ATTN_SIMDGROUPS * RC * D;
 };
 
 /// Attention over the compressed cache, pass 1 (or the only pass when n_splits == 1).

@@ -317,7 +317,8 @@ TQ_FN int tq_frag_col(tq_uint lane) {
 
 /// The lane that holds element (row, col) (the inverse of tq_frag_row / tq_frag_col).
 TQ_FN unsigned int tq_frag_lane(int row, int col) {
-  return unsigned(((col >> 1) & 1) | ((row & 3) << 1) | (((col >> 2) & 1) << 3) | (((row >> 2) & 1) << 4));
+  return unsigned(
+      ((col >> 1) & 1) | ((row & 3) << 1) | (((col >> 2) & 1) << 3) | (((row >> 2) & 1) << 4));
 }
 
 TQ_FN unsigned int tq_lane_id() {

@@ -39,8 +39,21 @@ template <typename QT, int D, int KB, int VB>
   threadgroup float smem[TQAttnConfig<D>::SMEM];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
   tq_attention_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, th);
+      q,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      k_cent,
+      v_cent,
+      mask,
+      out,
+      lse,
+      o_part,
+      ml_part,
+      p,
+      smem,
+      th);
 }
 
 template <typename QT, int D>
@@ -135,8 +148,21 @@ template <typename QT, int D, int KB, int VB>
   threadgroup float smem[TQAttnSimdConfig<D>::SMEM];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
   tq_attention_simd_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, th);
+      q,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      k_cent,
+      v_cent,
+      mask,
+      out,
+      lse,
+      o_part,
+      ml_part,
+      p,
+      smem,
+      th);
 }
 
 // ============================================================================ instantiations
@@ -146,8 +172,7 @@ template <typename QT, int D, int KB, int VB>
 
 // bfloat16 queries travel as their raw bits (ushort), see tq_to_float.
 #define TQ_ATTN_ONE(qname, qtype, d, kb, vb) \
-  TQ_INSTANTIATE(                          \
-      "tq_attention_" #qname "_d" #d "_k" #kb "_v" #vb, tq_attention, qtype, d, kb, vb)
+  TQ_INSTANTIATE("tq_attention_" #qname "_d" #d "_k" #kb "_v" #vb, tq_attention, qtype, d, kb, vb)
 
 #define TQ_ATTN_V(qname, qtype, d, kb) \
   TQ_ATTN_ONE(qname, qtype, d, kb, 2)  \
@@ -162,23 +187,23 @@ template <typename QT, int D, int KB, int VB>
 #define TQ_MERGE_ONE(qname, qtype, d) \
   TQ_INSTANTIATE("tq_attention_merge_" #qname "_d" #d, tq_attention_merge, qtype, d)
 
-#define TQ_ATTN_Q(d)                 \
-  TQ_ATTN_K(float32, float, d)       \
-  TQ_ATTN_K(float16, half, d)        \
-  TQ_ATTN_K(bfloat16, ushort, d)     \
-  TQ_MERGE_ONE(float32, float, d)    \
-  TQ_MERGE_ONE(float16, half, d)     \
+#define TQ_ATTN_Q(d)              \
+  TQ_ATTN_K(float32, float, d)    \
+  TQ_ATTN_K(float16, half, d)     \
+  TQ_ATTN_K(bfloat16, ushort, d)  \
+  TQ_MERGE_ONE(float32, float, d) \
+  TQ_MERGE_ONE(float16, half, d)  \
   TQ_MERGE_ONE(bfloat16, ushort, d)
 
-#define TQ_QUANT_X(xname, xtype, d)                                            \
+#define TQ_QUANT_X(xname, xtype, d)                                             \
   TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b2", tq_quantize, xtype, d, 2) \
   TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b3", tq_quantize, xtype, d, 3) \
   TQ_INSTANTIATE("tq_quantize_" #xname "_d" #d "_b4", tq_quantize, xtype, d, 4)
 
-#define TQ_PER_DIM(d)                 \
-  TQ_ATTN_Q(d)                        \
-  TQ_QUANT_X(float32, float, d)       \
-  TQ_QUANT_X(float16, half, d)        \
+#define TQ_PER_DIM(d)           \
+  TQ_ATTN_Q(d)                  \
+  TQ_QUANT_X(float32, float, d) \
+  TQ_QUANT_X(float16, half, d)  \
   TQ_QUANT_X(bfloat16, ushort, d)
 
 TQ_PER_DIM(32)
@@ -190,7 +215,7 @@ TQ_PER_DIM(192)
 TQ_PER_DIM(224)
 TQ_PER_DIM(256)
 
-#define TQ_DEQUANT_O(oname, otype)                                          \
+#define TQ_DEQUANT_O(oname, otype)                                       \
   TQ_INSTANTIATE("tq_dequantize_" #oname "_b2", tq_dequantize, otype, 2) \
   TQ_INSTANTIATE("tq_dequantize_" #oname "_b3", tq_dequantize, otype, 3) \
   TQ_INSTANTIATE("tq_dequantize_" #oname "_b4", tq_dequantize, otype, 4)
@@ -203,7 +228,7 @@ TQ_INSTANTIATE("tq_copy_u16", tq_copy, ushort)
 
 // Simdgroup-matrix attention: float16 / bfloat16 queries, head dims 64, 128, 256.
 #define TQ_SIMD_ONE(qname, qtype, d, kb, vb) \
-  TQ_INSTANTIATE(                           \
+  TQ_INSTANTIATE(                            \
       "tq_attention_simd_" #qname "_d" #d "_k" #kb "_v" #vb, tq_attention_simd, qtype, d, kb, vb)
 
 #define TQ_SIMD_V(qname, qtype, d, kb) \
@@ -216,8 +241,8 @@ TQ_INSTANTIATE("tq_copy_u16", tq_copy, ushort)
   TQ_SIMD_V(qname, qtype, d, 3)    \
   TQ_SIMD_V(qname, qtype, d, 4)
 
-#define TQ_SIMD_D(d)                \
-  TQ_SIMD_K(float16, half, d)       \
+#define TQ_SIMD_D(d)          \
+  TQ_SIMD_K(float16, half, d) \
   TQ_SIMD_K(bfloat16, ushort, d)
 
 TQ_SIMD_D(64)

@@ -25,15 +25,32 @@ import time
 import numpy as np
 
 # Metadata value types.
-UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = (
+    range(13)
+)
 _SCALAR_FORMATS = {
-    UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i",
-    FLOAT32: "f", BOOL: "?", UINT64: "Q", INT64: "q", FLOAT64: "d",
+    UINT8: "B",
+    INT8: "b",
+    UINT16: "H",
+    INT16: "h",
+    UINT32: "I",
+    INT32: "i",
+    FLOAT32: "f",
+    BOOL: "?",
+    UINT64: "Q",
+    INT64: "q",
+    FLOAT64: "d",
 }
 # ggml tensor types: name -> (id, elements per block, bytes per block).
 GGML_TYPES = {
-    "F32": (0, 1, 4), "F16": (1, 1, 2), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20),
-    "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210), "BF16": (30, 1, 2),
+    "F32": (0, 1, 4),
+    "F16": (1, 1, 2),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+    "BF16": (30, 1, 2),
     "IQ2_XXS": (16, 256, 66),
 }
 
@@ -212,24 +229,28 @@ def tiny_llama(seed=0, tied=False, bias=False):
         specs["output.weight"] = ((vocab, h), "F16")
     specs["output_norm.weight"] = ((h,), "F32")
     for i in range(c["layers"]):
-        specs.update({
-            f"blk.{i}.attn_norm.weight": ((h,), "F32"),
-            f"blk.{i}.attn_q.weight": ((q, h), "Q4_0"),
-            f"blk.{i}.attn_k.weight": ((kv, h), "Q4_0"),
-            f"blk.{i}.attn_v.weight": ((kv, h), "Q4_1"),
-            f"blk.{i}.attn_output.weight": ((h, q), "Q4_1"),
-            f"blk.{i}.ffn_norm.weight": ((h,), "F32"),
-            f"blk.{i}.ffn_gate.weight": ((ffn, h), "Q8_0"),
-            f"blk.{i}.ffn_up.weight": ((ffn, h), "Q8_0"),
-            f"blk.{i}.ffn_down.weight": ((h, ffn), "Q4_K" if i % 2 == 0 else "Q6_K"),
-        })
+        specs.update(
+            {
+                f"blk.{i}.attn_norm.weight": ((h,), "F32"),
+                f"blk.{i}.attn_q.weight": ((q, h), "Q4_0"),
+                f"blk.{i}.attn_k.weight": ((kv, h), "Q4_0"),
+                f"blk.{i}.attn_v.weight": ((kv, h), "Q4_1"),
+                f"blk.{i}.attn_output.weight": ((h, q), "Q4_1"),
+                f"blk.{i}.ffn_norm.weight": ((h,), "F32"),
+                f"blk.{i}.ffn_gate.weight": ((ffn, h), "Q8_0"),
+                f"blk.{i}.ffn_up.weight": ((ffn, h), "Q8_0"),
+                f"blk.{i}.ffn_down.weight": ((h, ffn), "Q4_K" if i % 2 == 0 else "Q6_K"),
+            }
+        )
         if bias:
-            specs.update({
-                f"blk.{i}.attn_q.bias": ((q,), "F32"),
-                f"blk.{i}.attn_k.bias": ((kv,), "F32"),
-                f"blk.{i}.attn_v.bias": ((kv,), "F32"),
-                f"blk.{i}.attn_output.bias": ((h,), "F32"),
-            })
+            specs.update(
+                {
+                    f"blk.{i}.attn_q.bias": ((q,), "F32"),
+                    f"blk.{i}.attn_k.bias": ((kv,), "F32"),
+                    f"blk.{i}.attn_v.bias": ((kv,), "F32"),
+                    f"blk.{i}.attn_output.bias": ((h,), "F32"),
+                }
+            )
     tensors = {name: (shape, t, tensor_data(shape, t, rng)) for name, (shape, t) in specs.items()}
     return metadata, tensors
 
@@ -286,7 +307,10 @@ class LoadWorker:
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER, self.gguf_file, _MARK],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
         )
         self.pending = b""
         if self._read_answer(120.0) is None:
@@ -327,7 +351,7 @@ class LoadWorker:
             line, _, self.pending = self.pending.partition(b"\n")
             line = line.decode(errors="replace")
             if line.startswith(_MARK):  # anything else is the libraries' own output
-                return json.loads(line[len(_MARK):])
+                return json.loads(line[len(_MARK) :])
 
     def run(self, path, timeout=None, forward=False, **kwargs):
         """Loads ``path`` with ``load_gguf(path, **kwargs)`` (and runs the model on
@@ -344,8 +368,11 @@ class LoadWorker:
             answer = None
         if answer is None:
             outcome = "timeout" if self.proc.poll() is None else "crash"
-            return {"outcome": outcome, "message": self._stop(),
-                    "seconds": time.perf_counter() - tic}
+            return {
+                "outcome": outcome,
+                "message": self._stop(),
+                "seconds": time.perf_counter() - tic,
+            }
         return answer
 
     def close(self):

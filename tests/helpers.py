@@ -183,7 +183,11 @@ def simd_path(q_dtype, head_dim, device=None):
     64, 128, 256 (TURBOQUANT_METAL_ATTENTION=portable turns it off), CUDA's with
     TURBOQUANT_CUDA_ATTENTION=simd."""
     device = mx.default_device() if device is None else device
-    if device != mx.gpu or q_dtype not in (mx.float16, mx.bfloat16) or head_dim not in (64, 128, 256):
+    if (
+        device != mx.gpu
+        or q_dtype not in (mx.float16, mx.bfloat16)
+        or head_dim not in (64, 128, 256)
+    ):
         return False
     backend = _ext.gpu_backend()
     if backend == "metal":

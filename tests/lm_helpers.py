@@ -44,41 +44,95 @@ VOCAB = 260  # 256 byte tokens + specials, see make_tokenizer
 
 CONFIGS = {
     "llama": dict(
-        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-        vocab_size=VOCAB, tie_word_embeddings=True,
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
     ),
     "llama_d128": dict(
-        model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5,
-        vocab_size=VOCAB, tie_word_embeddings=True,
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
     ),
     "qwen3": dict(
-        model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
         rope_theta=10000.0,
     ),
     "qwen3_5": dict(
-        model_type="qwen3_5", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=32, full_attention_interval=2,
+        model_type="qwen3_5",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        full_attention_interval=2,
     ),
     "qwen3_next": dict(
-        model_type="qwen3_next", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-        mlp_only_layers=[], moe_intermediate_size=64, rms_norm_eps=1e-6,
-        rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=4096,
+        model_type="qwen3_next",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
         full_attention_interval=2,
     ),
     "gemma3_text": dict(
-        model_type="gemma3_text", hidden_size=128, num_hidden_layers=4,
-        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        vocab_size=VOCAB, sliding_window=16, sliding_window_pattern=2,
+        model_type="gemma3_text",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=VOCAB,
+        sliding_window=16,
+        sliding_window_pattern=2,
         query_pre_attn_scalar=64,
     ),
 }
@@ -131,6 +185,7 @@ def save_model_dir(model, config_name, path, **overrides):
 
 def reference_key_scale(q_energy, k_energy, pairing="half", rope_dims=0, limit=8.0):
     """NumPy (float64) key scale ``a`` from mean query / key channel energies ``(..., D)``."""
+
     def pair_mean(e):
         e = np.array(e, dtype=np.float64)
         out = e.copy()
@@ -169,9 +224,19 @@ def row_mask(mask, L, i, pos, p):
 class DequantizedReferenceCache(_BaseCache):
     """Uncompressed cache showing attention what a TurboQuant cache must show (see doc)."""
 
-    def __init__(self, key_bits, value_bits, seed, fp16_sink_tokens=0, fp16_recent_tokens=0,
-                 center=False, query_aware_keys=False, rope_pairing="half", rope_dims=0,
-                 calibration_tokens=32):
+    def __init__(
+        self,
+        key_bits,
+        value_bits,
+        seed,
+        fp16_sink_tokens=0,
+        fp16_recent_tokens=0,
+        center=False,
+        query_aware_keys=False,
+        rope_pairing="half",
+        rope_dims=0,
+        calibration_tokens=32,
+    ):
         self.key_bits, self.value_bits = key_bits, value_bits
         self.seed = seed
         self.sinks, self.recent = fp16_sink_tokens, fp16_recent_tokens
@@ -231,11 +296,15 @@ class DequantizedReferenceCache(_BaseCache):
             k = self.k[:, :, self.sinks : end].astype(np.float64)
             if self.center:
                 self.mu_k = k.mean(axis=2, keepdims=True)
-                self.mu_v = self.v[:, :, self.sinks : end].astype(np.float64).mean(axis=2, keepdims=True)
+                self.mu_v = (
+                    self.v[:, :, self.sinks : end].astype(np.float64).mean(axis=2, keepdims=True)
+                )
                 k = k - self.mu_k
             if self.query_aware_keys and self.q_count:
                 self.a = reference_key_scale(
-                    self.q_energy / self.q_count, (k * k).mean(axis=2), self.rope_pairing,
+                    self.q_energy / self.q_count,
+                    (k * k).mean(axis=2),
+                    self.rope_pairing,
                     self.rope_dims,
                 )[:, :, None, :]
         self.calibrated = True
@@ -332,13 +401,21 @@ class DequantizedReferenceCache(_BaseCache):
                 exact = np.ones(self.offset, dtype=bool)
             else:
                 exact = (pos < self.sinks) | (
-                    pos >= max(self.sinks, p + 1 - self.recent) if self.recent else False)
+                    pos >= max(self.sinks, p + 1 - self.recent) if self.recent else False
+                )
             sel = exact[None, None, :, None]
             K = mx.array(np.where(sel, self.k, k_hat)).astype(self._dtype)
             V = mx.array(np.where(sel, self.v, v_hat)).astype(self._dtype)
-            outs.append(mx.fast.scaled_dot_product_attention(
-                queries[:, :, i : i + 1], K, V, scale=scale, mask=row_mask(mask, L, i, pos, p),
-                sinks=sinks))
+            outs.append(
+                mx.fast.scaled_dot_product_attention(
+                    queries[:, :, i : i + 1],
+                    K,
+                    V,
+                    scale=scale,
+                    mask=row_mask(mask, L, i, pos, p),
+                    sinks=sinks,
+                )
+            )
         return mx.concatenate(outs, axis=2)
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -376,16 +453,30 @@ class DequantizedReferenceCache(_BaseCache):
         return 0
 
 
-def reference_caches(model, key_bits, value_bits, seed=0, fp16_sink_tokens=0,
-                     fp16_recent_tokens=0, fp16_layers=(), **levers):
+def reference_caches(
+    model,
+    key_bits,
+    value_bits,
+    seed=0,
+    fp16_sink_tokens=0,
+    fp16_recent_tokens=0,
+    fp16_layers=(),
+    **levers,
+):
     """Reference caches for every layer of a plain (all full-attention) model.
 
     ``levers``: ``center``, ``query_aware_keys``, ``rope_pairing``, ``rope_dims``,
     ``calibration_tokens`` (then run the model inside :func:`route_reference_attention`).
     """
     return [
-        KVCache() if i in fp16_layers else DequantizedReferenceCache(
-            key_bits, value_bits, layer_seed(seed, i), fp16_sink_tokens, fp16_recent_tokens,
+        KVCache()
+        if i in fp16_layers
+        else DequantizedReferenceCache(
+            key_bits,
+            value_bits,
+            layer_seed(seed, i),
+            fp16_sink_tokens,
+            fp16_recent_tokens,
             **levers,
         )
         for i in range(len(model.layers))
@@ -397,8 +488,12 @@ def preset_kwargs(preset, **overrides):
     from turboquant_mlx.cache import get_preset
 
     p = get_preset(preset)
-    kw = dict(fp16_sink_tokens=p.fp16_sink_tokens, fp16_recent_tokens=p.fp16_recent_tokens,
-              center=p.center, query_aware_keys=p.query_aware_keys)
+    kw = dict(
+        fp16_sink_tokens=p.fp16_sink_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens,
+        center=p.center,
+        query_aware_keys=p.query_aware_keys,
+    )
     kw.update(overrides)
     return kw
 
@@ -436,9 +531,16 @@ class ShadowCache(TurboQuantKVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reference = DequantizedReferenceCache(
-            self.key_bits, self.value_bits, self.seed, self.fp16_sink_tokens,
-            self.fp16_recent_tokens, self.center, self.query_aware_keys, self.rope_pairing,
-            self.rope_dims, self.calibration_tokens,
+            self.key_bits,
+            self.value_bits,
+            self.seed,
+            self.fp16_sink_tokens,
+            self.fp16_recent_tokens,
+            self.center,
+            self.query_aware_keys,
+            self.rope_pairing,
+            self.rope_dims,
+            self.calibration_tokens,
         )
         self.diffs = []
 

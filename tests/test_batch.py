@@ -31,9 +31,16 @@ LOGIT_ATOL = 2e-2  # batch vs alone: float rounding (and the rare code it flips)
 def _alone(model, prompt, preset, n, prefill_step_size=2048):
     cache = make_prompt_cache(model, preset=preset)
     toks, logps = [], []
-    for (t, lp), _ in zip(generate_step(mx.array(prompt), model, prompt_cache=cache,
-                                        max_tokens=n, prefill_step_size=prefill_step_size),
-                          range(n)):
+    for (t, lp), _ in zip(
+        generate_step(
+            mx.array(prompt),
+            model,
+            prompt_cache=cache,
+            max_tokens=n,
+            prefill_step_size=prefill_step_size,
+        ),
+        range(n),
+    ):
         toks.append(int(t))
         logps.append(np.array(lp))
     return toks, logps
@@ -41,8 +48,11 @@ def _alone(model, prompt, preset, n, prefill_step_size=2048):
 
 def _batched(model, prompts, preset, n, **kwargs):
     gen = BatchGenerator(model, stop_tokens=None, **kwargs)
-    uids = gen.insert(prompts, [n] * len(prompts),
-                      caches=[make_prompt_cache(model, preset=preset) for _ in prompts])
+    uids = gen.insert(
+        prompts,
+        [n] * len(prompts),
+        caches=[make_prompt_cache(model, preset=preset) for _ in prompts],
+    )
     return _generated(gen, uids)
 
 
@@ -58,8 +68,9 @@ def _generated(gen, uids):
     return [toks[u] for u in uids], [logps[u] for u in uids]
 
 
-def _assert_rows_match(model, prompts, preset, n, batch_toks, batch_logps,
-                       prefill_step_size=2048, atol=LOGIT_ATOL):
+def _assert_rows_match(
+    model, prompts, preset, n, batch_toks, batch_logps, prefill_step_size=2048, atol=LOGIT_ATOL
+):
     """Each row against its prompt alone: logits within ``atol``, the same greedy
     tokens until a step where the alone run's top two logits are closer than twice
     the logits' difference there (a near tie the rounding decides; the row stops)."""
@@ -69,8 +80,7 @@ def _assert_rows_match(model, prompts, preset, n, batch_toks, batch_logps,
         assert len(batch_toks[i]) == n
         for s in range(n):
             msg = f"row {i} (length {len(p)}) step {s}"
-            np.testing.assert_allclose(batch_logps[i][s], logps[s], atol=atol, rtol=0,
-                                       err_msg=msg)
+            np.testing.assert_allclose(batch_logps[i][s], logps[s], atol=atol, rtol=0, err_msg=msg)
             if batch_toks[i][s] != toks[s]:
                 top2 = np.sort(logps[s])[-2:]
                 diff = np.abs(batch_logps[i][s] - logps[s]).max()
@@ -86,25 +96,29 @@ def _prompts(lengths, seed=0):
 
 
 # Lengths around the calibration (4 sinks + 32 tokens), the window (32 / 128) and 1.
-@pytest.mark.parametrize("name,preset,lengths,n,kwargs", [
-    ("llama", "tq4", (5, 40, 70, 1), 45, {}),
-    ("llama", "k4v3", (6, 150, 39), 30, {}),
-    ("llama", "tq4", (5, 40, 70, 9, 2), 40, dict(prefill_batch_size=2)),  # joins mid-decode
-    ("llama", "tq4", (60, 23), 20, dict(prefill_step_size=16)),  # prompts in chunks
-    ("qwen3", "tq4", (7, 33, 80), 40, {}),
-    ("qwen3_5", "tq4", (7, 34, 80), 40, {}),  # hybrid: ArraysCache layers batch as theirs
-    ("qwen3_5", "k4v3", (12, 140), 20, {}),
-    ("llama", "tq4-nowindow", (5, 40, 70), 40, {}),
-    # No window, no levers: short prompts are read quantized, as single steps read them.
-    ("llama", "tq4-plain", (5, 40, 70, 2), 20, {}),
-    ("qwen3_5", "tq4-sink", (7, 33, 80), 12, {}),
-])
+@pytest.mark.parametrize(
+    "name,preset,lengths,n,kwargs",
+    [
+        ("llama", "tq4", (5, 40, 70, 1), 45, {}),
+        ("llama", "k4v3", (6, 150, 39), 30, {}),
+        ("llama", "tq4", (5, 40, 70, 9, 2), 40, dict(prefill_batch_size=2)),  # joins mid-decode
+        ("llama", "tq4", (60, 23), 20, dict(prefill_step_size=16)),  # prompts in chunks
+        ("qwen3", "tq4", (7, 33, 80), 40, {}),
+        ("qwen3_5", "tq4", (7, 34, 80), 40, {}),  # hybrid: ArraysCache layers batch as theirs
+        ("qwen3_5", "k4v3", (12, 140), 20, {}),
+        ("llama", "tq4-nowindow", (5, 40, 70), 40, {}),
+        # No window, no levers: short prompts are read quantized, as single steps read them.
+        ("llama", "tq4-plain", (5, 40, 70, 2), 20, {}),
+        ("qwen3_5", "tq4-sink", (7, 33, 80), 12, {}),
+    ],
+)
 def test_batch_generator_matches_alone(name, preset, lengths, n, kwargs):
     model = build_model(name)
     prompts = _prompts(lengths)
     toks, logps = _batched(model, prompts, preset, n, **kwargs)
-    _assert_rows_match(model, prompts, preset, n, toks, logps,
-                       kwargs.get("prefill_step_size", 2048))
+    _assert_rows_match(
+        model, prompts, preset, n, toks, logps, kwargs.get("prefill_step_size", 2048)
+    )
 
 
 def test_batch_generate_tokens_and_returned_caches():
@@ -115,8 +129,15 @@ def test_batch_generate_tokens_and_returned_caches():
     prompts = _prompts((5, 44, 70), seed=1)
     n = 12
     caches = [make_prompt_cache(model, preset="tq4") for _ in prompts]
-    out = batch_generate(model, tok, prompts, prompt_caches=caches, max_tokens=n,
-                         return_token_ids=True, return_prompt_caches=True)
+    out = batch_generate(
+        model,
+        tok,
+        prompts,
+        prompt_caches=caches,
+        max_tokens=n,
+        return_token_ids=True,
+        return_prompt_caches=True,
+    )
     for i, p in enumerate(prompts):
         toks, _ = _alone(model, p, "tq4", n)
         got = out.token_ids[i]
@@ -155,8 +176,11 @@ def _filled_single(preset_kwargs, length, seed, H=2, D=64, queries=True):
     first = max(1, length - 3)
     c.update_and_fetch(mx.array(x[0, :, :, :first]), mx.array(x[1, :, :, :first]))
     if queries:
-        c.attention(mx.array(rng.standard_normal((1, 2 * H, first, D)), mx.float32), 0.125,
-                    "causal" if first > 1 else None)
+        c.attention(
+            mx.array(rng.standard_normal((1, 2 * H, first, D)), mx.float32),
+            0.125,
+            "causal" if first > 1 else None,
+        )
     for t in range(first, length):
         c.update_and_fetch(mx.array(x[0, :, :, t : t + 1]), mx.array(x[1, :, :, t : t + 1]))
         if queries:
@@ -236,9 +260,14 @@ def test_dense_attention_in_query_chunks_matches_float64():
     keep = rng.random((B, 1, L, N)) < 0.8
     keep[..., 0] = True
     for mask in (keep, keep[:, :, :1]):  # per query, and the same for every query
-        out, lse = dense_attention(mx.array(q, mx.float32), mx.array(k, mx.float32),
-                                   mx.array(v, mx.float32), 0.2, mx.array(mask),
-                                   max_score_bytes=B * Hq * N * 4 * 3 * 4)  # 4 queries
+        out, lse = dense_attention(
+            mx.array(q, mx.float32),
+            mx.array(k, mx.float32),
+            mx.array(v, mx.float32),
+            0.2,
+            mx.array(mask),
+            max_score_bytes=B * Hq * N * 4 * 3 * 4,
+        )  # 4 queries
         m = np.broadcast_to(mask, (B, Hq, L, N))
         s = np.einsum("bhld,bhnd->bhln", q, np.repeat(k, 2, axis=1)) * 0.2
         s = np.where(m, s, -np.inf)
@@ -270,8 +299,9 @@ def test_merge_extract_round_trip_and_decode(cfg):
         for b, c in enumerate(singles):
             c.update_and_fetch(mx.array(k[b : b + 1]), mx.array(v[b : b + 1]))
             one = np.array(c.attention(mx.array(q[b : b + 1]), 0.125, None))
-            np.testing.assert_allclose(out[b], one[0], atol=2e-5, rtol=1e-4,
-                                       err_msg=f"row {b} step {step}")
+            np.testing.assert_allclose(
+                out[b], one[0], atol=2e-5, rtol=1e-4, err_msg=f"row {b} step {step}"
+            )
     for b, c in enumerate(singles):
         e = batch.extract(b)
         assert e.size() == c.size() and e.calibrated == c.calibrated
@@ -308,8 +338,10 @@ def test_trim_is_exact_within_rollback():
     rng = np.random.default_rng(5)
     before = [_single_kv(batch.extract(b)) for b in range(2)]
     for _ in range(5):
-        batch.update_and_fetch(mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
-                               mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32))
+        batch.update_and_fetch(
+            mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
+            mx.array(rng.standard_normal((2, 2, 1, 64)), mx.float32),
+        )
         batch.attention(mx.array(rng.standard_normal((2, 4, 1, 64)), mx.float32), 0.125)
     assert batch.trim(5) == 5
     for b in range(2):
@@ -332,8 +364,9 @@ def test_merge_takes_caches_trimmed_beyond_rollback(cut):
         out = np.array(batch.attention(mx.array(q), 0.125, None))
         for b, c in enumerate(singles):
             one = np.array(c.attention(mx.array(q[b : b + 1]), 0.125, None))
-            np.testing.assert_allclose(out[b], one[0], atol=3e-3, rtol=1e-2,
-                                       err_msg=f"row {b} step {step}")
+            np.testing.assert_allclose(
+                out[b], one[0], atol=3e-3, rtol=1e-2, err_msg=f"row {b} step {step}"
+            )
         k = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
         v = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
         batch.update_and_fetch(mx.array(k), mx.array(v))
@@ -396,9 +429,13 @@ def test_batch_continues_caches_with_history(preset):
     toks, logps = _generated(gen, uids)
     for i in range(len(uids)):
         cache = copy.deepcopy(filled[i])
-        alone = [(int(t), np.array(lp)) for (t, lp), _ in zip(
-            generate_step(mx.array(suffixes[i]), model, prompt_cache=cache, max_tokens=n),
-            range(n))]
+        alone = [
+            (int(t), np.array(lp))
+            for (t, lp), _ in zip(
+                generate_step(mx.array(suffixes[i]), model, prompt_cache=cache, max_tokens=n),
+                range(n),
+            )
+        ]
         for s, (t, lp) in enumerate(alone):
             msg = f"row {i} step {s}"
             np.testing.assert_allclose(logps[i][s], lp, atol=LOGIT_ATOL, rtol=0, err_msg=msg)
@@ -444,8 +481,9 @@ def _single_like(cfg, k, v, b, n):
 
 
 def test_update_refuses_non_finite_tokens():
-    batch = TurboQuantKVCache.merge([_filled_single(TQ4, n, seed=50 + i)
-                                     for i, n in enumerate((40, 12))])
+    batch = TurboQuantKVCache.merge(
+        [_filled_single(TQ4, n, seed=50 + i) for i, n in enumerate((40, 12))]
+    )
     before = [_single_kv(batch.extract(b)) for b in range(2)]
     k = np.zeros((2, 2, 1, 64), np.float32)
     k[1, 0, 0, 3] = np.inf

@@ -59,12 +59,38 @@ def test_bench_decode_runs_every_kind_of_cache(capsys):
     # A tiny model on the CPU: the fp16 baselines and a compressed cache, timed rows.
     if mx.default_device() != mx.cpu:
         pytest.skip("CPU smoke run")
-    bench_decode.main([
-        "--device", "cpu", "--layers", "2", "--hidden", "256", "--heads", "4",
-        "--kv-heads", "2", "--head-dim", "64", "--intermediate", "512", "--vocab", "512",
-        "--contexts", "300", "--caches", "fp16,fp16:inplace,k4v4", "--steps", "3",
-        "--warmup", "1", "--rounds", "1", "--chunk", "128",
-    ])
+    bench_decode.main(
+        [
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--intermediate",
+            "512",
+            "--vocab",
+            "512",
+            "--contexts",
+            "300",
+            "--caches",
+            "fp16,fp16:inplace,k4v4",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--chunk",
+            "128",
+        ]
+    )
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300")]
     names = list(dict.fromkeys(r.split("|")[2].strip() for r in rows))  # (printed twice)
     assert names == ["fp16", "fp16:inplace", "k4v4"]
@@ -73,14 +99,52 @@ def test_bench_decode_runs_every_kind_of_cache(capsys):
 
 # -- bench_prefill.py and long_context.py (bench/_long.py) ----------------------------
 
-TINY_LLAMA = ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
-              "--head-dim", "64", "--intermediate", "512", "--vocab", "512"]
-TINY_QWEN = ["--qwen-layers", "4", "--qwen-hidden", "128", "--qwen-heads", "2",
-             "--qwen-kv-heads", "1", "--qwen-head-dim", "64", "--qwen-vocab", "512",
-             "--qwen-experts", "4", "--qwen-experts-per-tok", "2",
-             "--qwen-moe-intermediate", "64", "--qwen-shared-intermediate", "64",
-             "--qwen-linear-k-heads", "2", "--qwen-linear-v-heads", "4",
-             "--qwen-linear-k-dim", "64", "--qwen-linear-v-dim", "64"]
+TINY_LLAMA = [
+    "--layers",
+    "2",
+    "--hidden",
+    "256",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "64",
+    "--intermediate",
+    "512",
+    "--vocab",
+    "512",
+]
+TINY_QWEN = [
+    "--qwen-layers",
+    "4",
+    "--qwen-hidden",
+    "128",
+    "--qwen-heads",
+    "2",
+    "--qwen-kv-heads",
+    "1",
+    "--qwen-head-dim",
+    "64",
+    "--qwen-vocab",
+    "512",
+    "--qwen-experts",
+    "4",
+    "--qwen-experts-per-tok",
+    "2",
+    "--qwen-moe-intermediate",
+    "64",
+    "--qwen-shared-intermediate",
+    "64",
+    "--qwen-linear-k-heads",
+    "2",
+    "--qwen-linear-v-heads",
+    "4",
+    "--qwen-linear-k-dim",
+    "64",
+    "--qwen-linear-v-dim",
+    "64",
+]
 SMALL_RUN = ["--device", "cpu", "--block", "128", "--warmup-tokens", "130"]
 
 
@@ -145,8 +209,20 @@ def test_bench_prefill_cache_time_and_baseline_from_jsonl(tmp_path):
 def test_bench_prefill_runs_the_hybrid_model(tmp_path):
     _skip_unless_cpu()
     out = tmp_path / "prefill.md"
-    bench_prefill.main(SMALL_RUN + TINY_QWEN + ["--model", "qwen35moe", "--contexts", "200",
-                                                "--caches", "fp16,tq4", "--markdown-out", str(out)])
+    bench_prefill.main(
+        SMALL_RUN
+        + TINY_QWEN
+        + [
+            "--model",
+            "qwen35moe",
+            "--contexts",
+            "200",
+            "--caches",
+            "fp16,tq4",
+            "--markdown-out",
+            str(out),
+        ]
+    )
     rows = _table(out)
     assert [r["cache"] for r in rows] == ["fp16", "tq4"]
     assert all(_number(r["prompt tok/s"]) > 0 for r in rows)
@@ -155,15 +231,36 @@ def test_bench_prefill_runs_the_hybrid_model(tmp_path):
 def test_long_context_rows_for_both_models(tmp_path):
     _skip_unless_cpu()
     out = tmp_path / "long.md"
-    long_context.main(SMALL_RUN + TINY_LLAMA + TINY_QWEN + [
-        "--context", "200", "--decode-tokens", "4", "--verify-steps", "2",
-        "--markdown-out", str(out)])
+    long_context.main(
+        SMALL_RUN
+        + TINY_LLAMA
+        + TINY_QWEN
+        + [
+            "--context",
+            "200",
+            "--decode-tokens",
+            "4",
+            "--verify-steps",
+            "2",
+            "--markdown-out",
+            str(out),
+        ]
+    )
     rows = _table(out)
     assert [(r["model"], r["cache"]) for r in rows] == [
-        (m, c) for m in ("llama8b", "qwen35moe") for c in ("fp16", "tq4", "k4v3")]
+        (m, c) for m in ("llama8b", "qwen35moe") for c in ("fp16", "tq4", "k4v3")
+    ]
     for r in rows:
-        for col in ("prompt s", "prompt tok/s", "TTFT s", "decode tok/s", "verify ms/step",
-                    "verify tok/s", "KV GiB", "peak GiB"):
+        for col in (
+            "prompt s",
+            "prompt tok/s",
+            "TTFT s",
+            "decode tok/s",
+            "verify ms/step",
+            "verify tok/s",
+            "KV GiB",
+            "peak GiB",
+        ):
             _number(r[col])
         assert _number(r["decode tok/s"]) > 0
         assert r["≤ 64 GiB"] == r["≤ 128 GiB"] == "yes"
@@ -221,9 +318,24 @@ def test_a_row_that_runs_out_of_memory_does_not_fit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_long, "run_prompt", failing)
     out = tmp_path / "long.md"
-    long_context.main(SMALL_RUN + TINY_LLAMA + [
-        "--models", "llama8b", "--caches", "tq4,k4v3", "--context", "200",
-        "--decode-tokens", "2", "--verify-steps", "1", "--markdown-out", str(out)])
+    long_context.main(
+        SMALL_RUN
+        + TINY_LLAMA
+        + [
+            "--models",
+            "llama8b",
+            "--caches",
+            "tq4,k4v3",
+            "--context",
+            "200",
+            "--decode-tokens",
+            "2",
+            "--verify-steps",
+            "1",
+            "--markdown-out",
+            str(out),
+        ]
+    )
     failed, done = _table(out)
     assert failed["prompt s"].startswith("does not fit (RuntimeError")
     assert failed["≤ 64 GiB"] == failed["≤ 128 GiB"] == "no"
@@ -233,12 +345,28 @@ def test_a_row_that_runs_out_of_memory_does_not_fit(tmp_path, monkeypatch):
 def test_long_context_fill_skips_the_prompt(tmp_path):
     _skip_unless_cpu()
     out = tmp_path / "long.md"
-    long_context.main(SMALL_RUN + TINY_LLAMA + TINY_QWEN + [
-        "--caches", "fp16,tq4", "--context", "500", "--decode-tokens", "3", "--verify-steps", "2",
-        "--fill", "--markdown-out", str(out)])
+    long_context.main(
+        SMALL_RUN
+        + TINY_LLAMA
+        + TINY_QWEN
+        + [
+            "--caches",
+            "fp16,tq4",
+            "--context",
+            "500",
+            "--decode-tokens",
+            "3",
+            "--verify-steps",
+            "2",
+            "--fill",
+            "--markdown-out",
+            str(out),
+        ]
+    )
     rows = _table(out)
     assert [(r["model"], r["cache"]) for r in rows] == [
-        (m, c) for m in ("llama8b", "qwen35moe") for c in ("fp16", "tq4")]
+        (m, c) for m in ("llama8b", "qwen35moe") for c in ("fp16", "tq4")
+    ]
     for r in rows:
         assert r["prompt s"] == r["prompt tok/s"] == r["TTFT s"] == "–"
         assert _number(r["decode tok/s"]) > 0 and _number(r["verify ms/step"]) > 0
@@ -252,8 +380,9 @@ def test_fill_puts_the_context_in_every_attention_cache():
     cache = _long.make_cache(model, "tq4", 700)
     _long.fill_cache(model, cache, 600, _long.attention_shape("qwen35moe", a), dtype, chunk=256)
     assert [c.offset for c in cache if isinstance(c, TurboQuantKVCache)] == [600]
-    assert all(c[0] is not None and c[1].dtype == mx.float32
-               for c in cache if isinstance(c, ArraysCache))
+    assert all(
+        c[0] is not None and c[1].dtype == mx.float32 for c in cache if isinstance(c, ArraysCache)
+    )
 
 
 # -- bench_batch.py -------------------------------------------------------------------
@@ -268,8 +397,9 @@ def _tables(path):
             block.append(line)
         elif block:
             cols = [c.strip() for c in block[0].strip("|").split("|")]
-            tables.append([dict(zip(cols, (c.strip() for c in r.strip("|").split("|"))))
-                           for r in block[2:]])
+            tables.append(
+                [dict(zip(cols, (c.strip() for c in r.strip("|").split("|")))) for r in block[2:]]
+            )
             block = []
     return tables
 
@@ -279,14 +409,35 @@ def test_bench_batch_rows_for_every_batch_and_cache(tmp_path):
     # into BatchTurboQuantKVCache, decoded at two batch sizes; then the budget table.
     _skip_unless_cpu()
     out, jsonl = tmp_path / "batch.md", tmp_path / "batch.jsonl"
-    bench_batch.main(["--device", "cpu"] + TINY_LLAMA + [
-        "--contexts", "300", "--batches", "1,3", "--steps", "2", "--warmup", "1",
-        "--chunk", "128", "--budget-gib", "1", "--memory-unit", "MiB",
-        "--markdown-out", str(out), "--jsonl", str(jsonl)])
+    bench_batch.main(
+        ["--device", "cpu"]
+        + TINY_LLAMA
+        + [
+            "--contexts",
+            "300",
+            "--batches",
+            "1,3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--chunk",
+            "128",
+            "--budget-gib",
+            "1",
+            "--memory-unit",
+            "MiB",
+            "--markdown-out",
+            str(out),
+            "--jsonl",
+            str(jsonl),
+        ]
+    )
     decode, fits = _tables(out)
     caches = bench_batch.DEFAULT_CACHES.split(",")
     assert [(r["batch"], r["cache"]) for r in decode] == [
-        (b, c) for b in ("1", "3") for c in caches]
+        (b, c) for b in ("1", "3") for c in caches
+    ]
     for r in decode:
         assert r["context"] == "300"
         assert _number(r["tok/s"]) > 0 and _number(r["KV MiB"]) > 0
@@ -297,8 +448,11 @@ def test_bench_batch_rows_for_every_batch_and_cache(tmp_path):
             assert _number(r["× fp16"]) > 0 and 0 < _number(r["KV / fp16"]) < 1
     records = _long.load_jsonl(str(jsonl))
     kinds = {r["cache"]: r["batch_cache"] for r in records if r["bench"] == "batch"}
-    assert kinds == {"fp16": "BatchKVCache", "tq4": "BatchTurboQuantKVCache",
-                     "k4v3": "BatchTurboQuantKVCache"}
+    assert kinds == {
+        "fp16": "BatchKVCache",
+        "tq4": "BatchTurboQuantKVCache",
+        "k4v3": "BatchTurboQuantKVCache",
+    }
     assert all(r["finite"] for r in records if r["bench"] == "batch")
     assert [r["cache"] for r in fits] == caches
     for r in fits:
@@ -306,16 +460,19 @@ def test_bench_batch_rows_for_every_batch_and_cache(tmp_path):
         assert n > 0
         # The method: floor((budget - fixed) / (KV/seq + temp/seq)), to the cells' rounding.
         per_seq = (_number(r["KV MiB/seq"]) + _number(r["temp MiB/seq"])) * 2**20
-        assert n == pytest.approx((2**30 - _number(r["fixed MiB"]) * 2**20) / per_seq,
-                                  rel=0.01, abs=1)
+        assert n == pytest.approx(
+            (2**30 - _number(r["fixed MiB"]) * 2**20) / per_seq, rel=0.01, abs=1
+        )
     assert all(_number(r["× fp16"]) > 1 for r in fits[1:])
 
 
 def test_bench_batch_budget_fit():
     # fixed + B * per_seq through the smallest and largest batch.
-    rows = {1: dict(batch=1, kv_bytes=100, temp_bytes=50),
-            4: dict(batch=4, kv_bytes=400, temp_bytes=80),
-            2: dict(batch=2, kv_bytes=999, temp_bytes=999)}  # (only the ends count)
+    rows = {
+        1: dict(batch=1, kv_bytes=100, temp_bytes=50),
+        4: dict(batch=4, kv_bytes=400, temp_bytes=80),
+        2: dict(batch=2, kv_bytes=999, temp_bytes=999),
+    }  # (only the ends count)
     kv_seq, temp_seq, fixed, fit = bench_batch.fit_budget(rows, weights=1000, budget=3000)
     assert (kv_seq, temp_seq, fixed) == (100, 10, 1040)
     assert fit == (3000 - 1040) // 110

@@ -85,8 +85,11 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
     attend = levers if attend is None else attend
     cache = TurboQuantKVCache(prefill_budget_bytes=budget, **cfg)
     ref = DequantizedReferenceCache(
-        cfg["key_bits"], cfg["value_bits"], cfg["seed"],
-        cfg.get("fp16_sink_tokens", 0), cfg.get("fp16_recent_tokens", 0),
+        cfg["key_bits"],
+        cfg["value_bits"],
+        cfg["seed"],
+        cfg.get("fp16_sink_tokens", 0),
+        cfg.get("fp16_recent_tokens", 0),
         **{k: cfg[k] for k in _LEVER_KEYS if k in cfg},
     )
     make = _biased if levers else _rand
@@ -96,7 +99,11 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
         cache.update_and_fetch(k, v)
         ref.update_and_fetch(k, v)
         if attend:
-            q = _queries(rng, (B, 2 * H, n, D), dtype) if levers else _rand(rng, (B, 2 * H, n, D), dtype)
+            q = (
+                _queries(rng, (B, 2 * H, n, D), dtype)
+                if levers
+                else _rand(rng, (B, 2 * H, n, D), dtype)
+            )
             got = np.array(cache.attention(q, 0.1, "causal").astype(mx.float32))
             ref.attend(q, 0.1, "causal")
             _check_contents(cache, ref)
@@ -104,8 +111,16 @@ def _filled(rng, chunks, B=1, H=2, D=64, dtype=mx.float32, attend=None, **cfg):
                 Kc, Vc = _seen_by_block(cache, k, v)
                 want = np.array(_expected(q, Kc, Vc, 0.1, "causal"))
             else:
-                want = np.array(_expected_steps(cache, _arrived(cache, ref), q, 0.1, "causal",
-                                                calibrated_at=ref.calibrated_until))
+                want = np.array(
+                    _expected_steps(
+                        cache,
+                        _arrived(cache, ref),
+                        q,
+                        0.1,
+                        "causal",
+                        calibrated_at=ref.calibrated_until,
+                    )
+                )
             tol = (TOL if dtype == mx.float32 else 2e-2) * _magnitude(want)
             np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=f"chunk of {n}")
     _check_contents(cache, ref)
@@ -147,8 +162,9 @@ def _expected_steps(cache, arrived, q, scale, mask, sinks=None, calibrated_at=No
             exact = pos < S
         sel = mx.array(exact)[None, None, :, None]
         Ki, Vi = mx.where(sel, Ka, K), mx.where(sel, Va, V)
-        outs.append(_expected(q[:, :, i : i + 1], Ki, Vi, scale, row_mask(mask, L, i, pos, p),
-                              sinks))
+        outs.append(
+            _expected(q[:, :, i : i + 1], Ki, Vi, scale, row_mask(mask, L, i, pos, p), sinks)
+        )
     return mx.concatenate(outs, axis=2)
 
 
@@ -165,8 +181,10 @@ def _seen_by_block(cache, k, v):
     def arrived(x):
         return x.astype(cache.window_dtype).astype(mx.float32)
 
-    return (mx.concatenate([K[:, :, :P], arrived(k)], axis=2),
-            mx.concatenate([V[:, :, :P], arrived(v)], axis=2))
+    return (
+        mx.concatenate([K[:, :, :P], arrived(k)], axis=2),
+        mx.concatenate([V[:, :, :P], arrived(v)], axis=2),
+    )
 
 
 def _check_contents(cache, ref):
@@ -184,8 +202,11 @@ def _check_contents(cache, ref):
     if not ref.calibrated:
         exact[:] = True
     # The levers' statistics: float32 in the cache, float64 in the reference.
-    for got, want in ((cache.key_mean, ref.mu_k), (cache.value_mean, ref.mu_v),
-                      (cache.key_scale, ref.a)):
+    for got, want in (
+        (cache.key_mean, ref.mu_k),
+        (cache.value_mean, ref.mu_v),
+        (cache.key_scale, ref.a),
+    ):
         assert (got is None) == (want is None)
         if got is not None:
             np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
@@ -214,8 +235,12 @@ def _magnitude(x):
 
 def _expected(q, K, V, scale, mask, sinks=None):
     return mx.fast.scaled_dot_product_attention(
-        q.astype(mx.float32), K.astype(mx.float32), V.astype(mx.float32),
-        scale=scale, mask=mask, sinks=sinks,
+        q.astype(mx.float32),
+        K.astype(mx.float32),
+        V.astype(mx.float32),
+        scale=scale,
+        mask=mask,
+        sinks=sinks,
     )
 
 
@@ -246,8 +271,9 @@ def test_merge_attention_equals_attention_over_the_union():
     assert np.all(np.array(out)[:, :, 2] == 0) and np.all(np.isneginf(np.array(lse)[:, :, 2]))
     # Against mlx's attention where every row has a visible key.
     rows = mx.array([0, 1, 3, 4])
-    want = _expected(q[:, :, rows], mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), 0.3,
-                     mask[:, :, rows])
+    want = _expected(
+        q[:, :, rows], mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), 0.3, mask[:, :, rows]
+    )
     np.testing.assert_allclose(np.array(out)[:, :, [0, 1, 3, 4]], np.array(want), atol=1e-5)
 
 
@@ -268,10 +294,24 @@ LEVER_LAYOUTS = [
     dict(center=True),
     dict(query_aware_keys=True, calibration_tokens=8),
     dict(center=True, query_aware_keys=True, fp16_sink_tokens=4),
-    dict(center=True, query_aware_keys=True, fp16_sink_tokens=2, fp16_recent_tokens=6,
-         key_bits=3, value_bits=3, rope_pairing="interleaved"),
-    dict(center=True, query_aware_keys=True, fp16_sink_tokens=3, calibration_tokens=48,
-         key_bits=3, value_bits=2, rope_pairing="none"),
+    dict(
+        center=True,
+        query_aware_keys=True,
+        fp16_sink_tokens=2,
+        fp16_recent_tokens=6,
+        key_bits=3,
+        value_bits=3,
+        rope_pairing="interleaved",
+    ),
+    dict(
+        center=True,
+        query_aware_keys=True,
+        fp16_sink_tokens=3,
+        calibration_tokens=48,
+        key_bits=3,
+        value_bits=2,
+        rope_pairing="none",
+    ),
 ]
 
 
@@ -315,8 +355,11 @@ def test_attention_matches_reference(layout, L):
 
 
 @pytest.mark.parametrize("D", [64, 160], ids=["op-rotation", "host-rotation"])
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[3]],
-                         ids=["plain", "window", "levers-sink-window"])
+@pytest.mark.parametrize(
+    "layout",
+    [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[3]],
+    ids=["plain", "window", "levers-sink-window"],
+)
 def test_rotation_in_or_around_the_ops(layout, D):
     # Power-of-two head dims rotate inside the ops (the plain cache's step is then one
     # call, a window preset's a ring step); other head dims rotate around them. Both
@@ -351,8 +394,11 @@ def _record_op_tails(monkeypatch):
 
 
 @pytest.mark.parametrize("D", [64, 160], ids=["hadamard", "dense-rotation"])
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
-                         ids=["plain", "window", "levers-sink", "levers-sink-window"])
+@pytest.mark.parametrize(
+    "layout",
+    [LAYOUTS[0], LAYOUTS[3], LEVER_LAYOUTS[2], LEVER_LAYOUTS[3]],
+    ids=["plain", "window", "levers-sink", "levers-sink-window"],
+)
 def test_compiled_decode_equals_eager(monkeypatch, layout, D):
     # Decode steps run the query and output transforms through mx.compile; they must
     # give what the eager functions give, and both what mlx's attention gives.
@@ -369,7 +415,8 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
         # The fp16 sinks and window go into the op as its tail, unless the window holds
         # some of the queries (causal among them: attended to apart).
         dense = layout.get("fp16_sink_tokens", 0) + (
-            min(layout.get("fp16_recent_tokens", 0), cache.offset) if L == 1 else 0)
+            min(layout.get("fp16_recent_tokens", 0), cache.offset) if L == 1 else 0
+        )
         in_window = L > 1 and layout.get("fp16_recent_tokens", 0) > 0
         lengths = [None if t is None else t.shape[2] for t in tails]
         assert lengths == [None if in_window or dense == 0 else dense], lengths
@@ -382,7 +429,8 @@ def test_compiled_decode_equals_eager(monkeypatch, layout, D):
 
 @pytest.mark.parametrize("budget", [1, None], ids=["query-per-chunk", "one-call"])
 @pytest.mark.parametrize(
-    "layout", LAYOUTS[:1] + LAYOUTS[3:] + LEVER_LAYOUTS[2:4],
+    "layout",
+    LAYOUTS[:1] + LAYOUTS[3:] + LEVER_LAYOUTS[2:4],
     ids=["plain", "window", "sink-window", "levers-sink", "levers-sink-window"],
 )
 def test_prefill_in_query_chunks_matches_reference(layout, budget):
@@ -445,8 +493,11 @@ def test_prefill_blocks_match_float64_reference(layout, dtype):
     B, Hq, H, D = 1, 4, 2, 64
     cache, _, _ = _filled(rng, [60, 1, 1], B=B, H=H, D=D, dtype=dtype, **layout)
     ref = DequantizedReferenceCache(
-        layout.get("key_bits", 4), layout.get("value_bits", 4), 9,
-        layout.get("fp16_sink_tokens", 0), layout.get("fp16_recent_tokens", 0),
+        layout.get("key_bits", 4),
+        layout.get("value_bits", 4),
+        9,
+        layout.get("fp16_sink_tokens", 0),
+        layout.get("fp16_recent_tokens", 0),
         **{k: layout[k] for k in _LEVER_KEYS if k in layout},
     )
     # The reference replays the cache's history (same tokens, same calibration).
@@ -465,15 +516,20 @@ def test_prefill_blocks_match_float64_reference(layout, dtype):
         cache.update_and_fetch(k, v)
         ref.update_and_fetch(k, v)
         K, V = ref.fetch(ref.fresh_from)
-        q = (_queries(rng, (B, Hq, n, D), dtype) if levers else _rand(rng, (B, Hq, n, D), dtype))
+        q = _queries(rng, (B, Hq, n, D), dtype) if levers else _rand(rng, (B, Hq, n, D), dtype)
         bool_mask = mx.array(rng.random((B, Hq, n, cache.offset)) > 0.3)
         bool_mask[..., 0] = True
         sinks = _rand(rng, (Hq,))
         for mask, sk in (("causal", None), (bool_mask, None), ("causal", sinks)):
             got = np.array(cache.attention(q, 0.125, mask, sinks=sk).astype(mx.float32))
             want = _attention_f64(q, K, V, 0.125, mask, None if sk is None else np.array(sk))
-            np.testing.assert_allclose(got, want, atol=tol * _magnitude(want), rtol=0,
-                                       err_msg=f"block of {n}, mask {type(mask)}, sinks {sk is not None}")
+            np.testing.assert_allclose(
+                got,
+                want,
+                atol=tol * _magnitude(want),
+                rtol=0,
+                err_msg=f"block of {n}, mask {type(mask)}, sinks {sk is not None}",
+            )
 
 
 def test_prefill_refuses_a_mask_of_the_wrong_shape():
@@ -510,8 +566,12 @@ def test_prefill_temporary_is_one_layer_copy_shared_by_every_layer():
     rng = np.random.default_rng(1)
     B, H, Hq, D, N, L = 1, 2, 4, 64, 16384, 64
     budget = 1 << 20
-    layers = [TurboQuantKVCache(4, 4, seed=s, prefill_budget_bytes=budget,
-                                fp16_sink_tokens=4, fp16_recent_tokens=32) for s in (1, 2)]
+    layers = [
+        TurboQuantKVCache(
+            4, 4, seed=s, prefill_budget_bytes=budget, fp16_sink_tokens=4, fp16_recent_tokens=32
+        )
+        for s in (1, 2)
+    ]
     for cache in layers:
         for _ in range(N // 4096):
             cache.update_and_fetch(_rand(rng, (B, H, 4096, D)), _rand(rng, (B, H, 4096, D)))
@@ -581,7 +641,9 @@ def test_protocol_basics_and_no_bits_attribute():
     with pytest.raises(ValueError, match="key_bits"):
         TurboQuantKVCache(key_bits=5)
     with pytest.raises(ValueError, match="head dim 47"):  # (even dims are padded to 32k)
-        TurboQuantKVCache(3, 3).update_and_fetch(_rand(rng, (1, 1, 1, 47)), _rand(rng, (1, 1, 1, 47)))
+        TurboQuantKVCache(3, 3).update_and_fetch(
+            _rand(rng, (1, 1, 1, 47)), _rand(rng, (1, 1, 1, 47))
+        )
 
 
 def test_capacity_grows_geometrically_and_reserve_preallocates():
@@ -660,8 +722,7 @@ def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     if preset == "tq4-two-nodes":
         monkeypatch.setattr(cache_module.ops, "has_ring_append", lambda *a: False)
     rng = np.random.default_rng(2)
-    cfg = {} if preset == "plain" else dict(fp16_sink_tokens=4, fp16_recent_tokens=8,
-                                            center=True)
+    cfg = {} if preset == "plain" else dict(fp16_sink_tokens=4, fp16_recent_tokens=8, center=True)
     cache = TurboQuantKVCache(4, 4, **cfg)
     cache.update_and_fetch(_rand(rng, (1, 2, 40, 64)), _rand(rng, (1, 2, 40, 64)))
     mx.eval(cache.attention(_rand(rng, (1, 4, 8, 64)), 0.1, None))
@@ -672,8 +733,9 @@ def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
     assert cache._n_comp == n + 1
     out = cache.attention(_rand(rng, (1, 4, 1, 64)), 0.1, None)
-    labels = graph_nodes(tmp_path / "g.dot", out, cache._k_codes, cache._k_scales,
-                         cache._v_codes, cache._v_scales)
+    labels = graph_nodes(
+        tmp_path / "g.dot", out, cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales
+    )
     writes = [x for x in labels if x.startswith(("QuantizeAppend", "RingAppend", "WriteTokens"))]
     if preset == "plain":
         assert writes == ["QuantizeAppendKV"]
@@ -730,7 +792,9 @@ def test_copy_is_independent(window, copier):
     np.testing.assert_array_equal(np.array(twin.attention(q, 0.1)), twin_before)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS + LEVER_LAYOUTS, ids=range(len(LAYOUTS) + len(LEVER_LAYOUTS)))
+@pytest.mark.parametrize(
+    "layout", LAYOUTS + LEVER_LAYOUTS, ids=range(len(LAYOUTS) + len(LEVER_LAYOUTS))
+)
 def test_trim_equals_never_having_the_tokens(layout):
     rng = np.random.default_rng(2)
     keys = _rand(rng, (1, 2, 60, 64))
@@ -785,10 +849,15 @@ def _assert_same_cache(a, b):
                 assert x == y
 
 
-STATE_LAYOUTS = LAYOUTS + [dict(fp16_sink_tokens=50)] + LEVER_LAYOUTS + [
-    dict(center=True, query_aware_keys=True, calibration_tokens=100),  # not calibrated yet
-    dict(center=True, query_aware_keys=True, fp16_sink_tokens=50, calibration_tokens=1),
-]
+STATE_LAYOUTS = (
+    LAYOUTS
+    + [dict(fp16_sink_tokens=50)]
+    + LEVER_LAYOUTS
+    + [
+        dict(center=True, query_aware_keys=True, calibration_tokens=100),  # not calibrated yet
+        dict(center=True, query_aware_keys=True, fp16_sink_tokens=50, calibration_tokens=1),
+    ]
+)
 
 
 @pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=range(len(STATE_LAYOUTS)))
@@ -851,8 +920,13 @@ def test_empty_state_round_trip_and_bad_states():
     levered, _, _ = _filled(rng, [40], center=True, query_aware_keys=True)
     state = levered.state
     assert levered.key_mean.shape == levered.key_scale.shape == (1, 2, 1, 64)
-    for i, value in [(8, state[8][..., :-1]), (10, state[10].astype(mx.float16)),
-                     (12 + 10, 0), (12 + 11, 0), (12 + 15, 0)]:
+    for i, value in [
+        (8, state[8][..., :-1]),
+        (10, state[10].astype(mx.float16)),
+        (12 + 10, 0),
+        (12 + 11, 0),
+        (12 + 15, 0),
+    ]:
         bad = list(state)
         bad[i] = value
         with pytest.raises(ValueError, match="inconsistent"):
@@ -863,10 +937,13 @@ def test_refused_state_leaves_the_cache_unchanged():
     rng = np.random.default_rng(14)
     cache, _, _ = _filled(rng, [30, 1], fp16_sink_tokens=2, fp16_recent_tokens=5)
     twin = copy.deepcopy(cache)
-    other, _, _ = _filled(rng, [20], key_bits=3, value_bits=2, seed=9, fp16_recent_tokens=4,
-                          center=True)
-    for i, value in ((7, other.state[7][:, :, 1:]),  # its window values one token short
-                     (12 + 9, 99)):  # window_start past the offset
+    other, _, _ = _filled(
+        rng, [20], key_bits=3, value_bits=2, seed=9, fp16_recent_tokens=4, center=True
+    )
+    for i, value in (
+        (7, other.state[7][:, :, 1:]),  # its window values one token short
+        (12 + 9, 99),
+    ):  # window_start past the offset
         bad = list(other.state)
         bad[i] = value
         with pytest.raises(ValueError, match="inconsistent"):
@@ -886,13 +963,21 @@ def test_levers_calibrate_at_update_without_queries():
     # No attention call between updates (no hook): the update that finds
     # calibration_tokens held tokens calibrates; without queries there is no key scale.
     rng = np.random.default_rng(11)
-    cache, K, V = _filled(rng, [20, 10, 3], attend=False, center=True, query_aware_keys=True,
-                          fp16_sink_tokens=2, calibration_tokens=28)
+    cache, K, V = _filled(
+        rng,
+        [20, 10, 3],
+        attend=False,
+        center=True,
+        query_aware_keys=True,
+        fp16_sink_tokens=2,
+        calibration_tokens=28,
+    )
     assert cache.calibrated and cache.key_scale is None
     assert cache._n_comp == 31  # the 28 held tokens, then the 3 new ones
     q = _rand(rng, (1, 4, 1, 64))
     np.testing.assert_allclose(
-        np.array(cache.attention(q, 0.1)), np.array(_expected(q, K, V, 0.1, None)),
+        np.array(cache.attention(q, 0.1)),
+        np.array(_expected(q, K, V, 0.1, None)),
         atol=TOL * _magnitude(V),
     )
 
@@ -1034,8 +1119,9 @@ def test_importing_the_package_lets_mlx_lm_load_the_file(tmp_path, order):
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(turboquant_mlx.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", script, path], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script, path], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == [[type(c).__module__, type(c).__name__, c.offset] for c in cache]
@@ -1073,29 +1159,50 @@ def _extra_first_token(a):
 # value i (7 offset, 9 window_start). Cache 2 is mlx-lm's KVCache.
 FORGED = {
     "window keys one token longer than values": (
-        _mixed_cache, {"0.7": lambda a: a[:, :, 1:]}, r"cache 0 .*window_keys .*window_values"),
+        _mixed_cache,
+        {"0.7": lambda a: a[:, :, 1:]},
+        r"cache 0 .*window_keys .*window_values",
+    ),
     "window values in another dtype": (
-        _mixed_cache, {"0.7": lambda a: a.astype(mx.bfloat16)},
-        r"cache 0 .*window_values of dtype"),
+        _mixed_cache,
+        {"0.7": lambda a: a.astype(mx.bfloat16)},
+        r"cache 0 .*window_values of dtype",
+    ),
     "sinks in float32, window in float16": (
-        _mixed_cache, {k: lambda a: a.astype(mx.float32) for k in ("0.4", "0.5")},
-        r"cache 0 .*window_keys of dtype"),
+        _mixed_cache,
+        {k: lambda a: a.astype(mx.float32) for k in ("0.4", "0.5")},
+        r"cache 0 .*window_keys of dtype",
+    ),
     "key codes one word too wide": (
-        _mixed_cache, {"0.0": lambda a: mx.concatenate([a, a[..., :1]], axis=-1)},
-        r"cache 0 .*k_codes of shape \(1, 2, 19, 9\)"),
+        _mixed_cache,
+        {"0.0": lambda a: mx.concatenate([a, a[..., :1]], axis=-1)},
+        r"cache 0 .*k_codes of shape \(1, 2, 19, 9\)",
+    ),
     "window beyond its capacity": (
-        _mixed_cache, {"0.6": _extra_first_token, "0.7": _extra_first_token, "0.21": mx.array(4)},
-        r"cache 0 .*window of 22 tokens .*capacity 21"),
+        _mixed_cache,
+        {"0.6": _extra_first_token, "0.7": _extra_first_token, "0.21": mx.array(4)},
+        r"cache 0 .*window of 22 tokens .*capacity 21",
+    ),
     "non-integral offset": (
-        _mixed_cache, {"0.19": mx.array(26.5)}, r"cache 0 .*offset is not an integer"),
+        _mixed_cache,
+        {"0.19": mx.array(26.5)},
+        r"cache 0 .*offset is not an integer",
+    ),
     "configuration value out of range": (
-        _mixed_cache, {"0.17": mx.array(2**63 - 1)},
-        r"cache 0 .*fp16_recent_tokens .*out of range"),
+        _mixed_cache,
+        {"0.17": mx.array(2**63 - 1)},
+        r"cache 0 .*fp16_recent_tokens .*out of range",
+    ),
     "kv cache offset beyond its tokens": (
-        _mixed_cache, {"2.2": mx.array(300)}, r"cache 2 \(KVCache\).*offset 300 beyond"),
+        _mixed_cache,
+        {"2.2": mx.array(300)},
+        r"cache 2 \(KVCache\).*offset 300 beyond",
+    ),
     "calibrated centered cache without means": (
-        _levered_cache, {k: mx.array([], dtype=mx.float32) for k in ("0.8", "0.9")},
-        r"cache 0 .*no key_mean"),
+        _levered_cache,
+        {k: mx.array([], dtype=mx.float32) for k in ("0.8", "0.9")},
+        r"cache 0 .*no key_mean",
+    ),
 }
 
 
@@ -1175,8 +1282,10 @@ def test_presets_table():
     for name, base in (("tq4", "tq4-nowindow"), ("tq3", "tq3-nowindow")):
         extras = []
         for ctx in (3072, 32768, 131072):
-            extras.append(PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30)
-                          - PRESETS[base].bits_per_coordinate(64, ctx, num_layers=30))
+            extras.append(
+                PRESETS[name].bits_per_coordinate(64, ctx, num_layers=30)
+                - PRESETS[base].bits_per_coordinate(64, ctx, num_layers=30)
+            )
             assert 0 < extras[-1] <= 48 * 16 / ctx
         assert extras == sorted(extras, reverse=True)
     assert PRESETS["fp16"].bits_per_coordinate(64, 10) == 16
@@ -1184,7 +1293,9 @@ def test_presets_table():
     # 1000 tokens: 4 sinks + 60 window + 16 rollback in fp16, 936 compressed.
     per_layer = (936 * 2 * (64 * 4 + 16) + 80 * 2 * 64 * 16) / (2 * 64 * 1000)
     assert p.bits_per_coordinate(64, 1000) == pytest.approx(per_layer)
-    assert p.bits_per_coordinate(64, 1000, num_layers=30) == pytest.approx((2 * 16 + 28 * per_layer) / 30)
+    assert p.bits_per_coordinate(64, 1000, num_layers=30) == pytest.approx(
+        (2 * 16 + 28 * per_layer) / 30
+    )
     assert p.bits_per_coordinate(64, 10) == 16  # everything still fp16
     # Levers: three float32 vectors per KV head and layer; nothing quantized before
     # calibration_tokens non-sink tokens.
@@ -1198,21 +1309,51 @@ def test_factory_options():
     model = build_model("llama", num_hidden_layers=6)
     types_of = lambda cache: ["tq" if isinstance(c, TurboQuantKVCache) else "kv" for c in cache]  # noqa: E731
     assert types_of(make_prompt_cache(model, "fp16")) == ["kv"] * 6
-    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers=(1, 2))) == ["kv", "tq", "tq", "tq", "kv", "kv"]
-    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers={0, -1})) == ["kv", "tq", "tq", "tq", "tq", "kv"]
+    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers=(1, 2))) == [
+        "kv",
+        "tq",
+        "tq",
+        "tq",
+        "kv",
+        "kv",
+    ]
+    assert types_of(make_prompt_cache(model, "tq4-nowindow", fp16_layers={0, -1})) == [
+        "kv",
+        "tq",
+        "tq",
+        "tq",
+        "tq",
+        "kv",
+    ]
     plus = make_prompt_cache(model, "tq4-plus")
     assert types_of(plus) == ["kv", "tq", "tq", "tq", "tq", "kv"]
     assert plus[1].fp16_sink_tokens == 4 and plus[1].fp16_recent_tokens == 64
     cache = make_prompt_cache(
-        model, "k3v3", key_bits=4, seed=5,
-        layer_overrides={0: "tq4", 2: (2, 3), 3: {"value_bits": 4, "fp16_sink_tokens": 1}, -1: "fp16"},
+        model,
+        "k3v3",
+        key_bits=4,
+        seed=5,
+        layer_overrides={
+            0: "tq4",
+            2: (2, 3),
+            3: {"value_bits": 4, "fp16_sink_tokens": 1},
+            -1: "fp16",
+        },
     )
     assert types_of(cache) == ["tq", "tq", "tq", "tq", "tq", "kv"]
-    assert [(c.key_bits, c.value_bits) for c in cache[:5]] == [(4, 4), (4, 3), (2, 3), (4, 4), (4, 3)]
+    assert [(c.key_bits, c.value_bits) for c in cache[:5]] == [
+        (4, 4),
+        (4, 3),
+        (2, 3),
+        (4, 4),
+        (4, 3),
+    ]
     assert cache[3].fp16_sink_tokens == 1
     seeds = [c.seed for c in cache[:5]]
     assert len(set(seeds)) == 5 and seeds[1] == layer_seed(5, 1)
-    assert [c.seed for c in make_prompt_cache(model, "tq4-nowindow", seed=5)] == [layer_seed(5, i) for i in range(6)]
+    assert [c.seed for c in make_prompt_cache(model, "tq4-nowindow", seed=5)] == [
+        layer_seed(5, i) for i in range(6)
+    ]
     # fp16 preset with explicit bits compresses with those bits.
     assert types_of(make_prompt_cache(model, "fp16", key_bits=4)) == ["tq"] * 6
     with pytest.raises(ValueError, match="valid presets"):
@@ -1229,24 +1370,33 @@ def test_layer_schedule():
     """A preset's per-layer schedule by relative depth: points pick the nearest layer,
     ranges every layer inside; fp16_layers win; explicit bit widths switch it off."""
     sched = ((0.35, "fp16"), ((0.5, 1.0), (4, 2)), (1.0, {"value_bits": 3}))
-    p = KVPreset("s", 4, 4, fp16_sink_tokens=4, center=True, fp16_layers=(1, 0), layer_schedule=sched)
+    p = KVPreset(
+        "s", 4, 4, fp16_sink_tokens=4, center=True, fp16_layers=(1, 0), layer_schedule=sched
+    )
     cfgs = p.layer_configs(30)
     assert cfgs[0] is None and cfgs[10] is None  # fp16_layers, then round(0.35 * 29) = 10
     assert [c["value_bits"] for c in cfgs[15:29]] == [2] * 14 and cfgs[14]["value_bits"] == 4
     assert cfgs[29]["value_bits"] == 3 and cfgs[29]["center"] and cfgs[29]["fp16_sink_tokens"] == 4
+
     # bits: the average of the layers' own accounting
-    per = lambda vb: KVPreset("o", 4, vb, fp16_sink_tokens=4, center=True).bits_per_coordinate(64, 3072)  # noqa: E731
+    def per(vb):
+        preset = KVPreset("o", 4, vb, fp16_sink_tokens=4, center=True)
+        return preset.bits_per_coordinate(64, 3072)
+
     want = (2 * 16 + 13 * per(4) + 14 * per(2) + per(3)) / 30
     assert p.bits_per_coordinate(64, 3072, num_layers=30) == pytest.approx(want)
     assert p.bits_per_coordinate(64, 3072) == pytest.approx(per(4))  # one compressed layer
     # The factory applies the same schedule on a 6-layer model.
     model = build_model("llama", num_hidden_layers=6)
     cache = make_prompt_cache(model, p)
-    assert [None if not isinstance(c, TurboQuantKVCache) else (c.key_bits, c.value_bits) for c in cache] == [
-        None, (4, 4), None, (4, 2), (4, 2), (4, 3)]  # round(0.35 * 5) = 2
+    assert [
+        None if not isinstance(c, TurboQuantKVCache) else (c.key_bits, c.value_bits) for c in cache
+    ] == [None, (4, 4), None, (4, 2), (4, 2), (4, 3)]  # round(0.35 * 5) = 2
     assert [type(c) is KVCache for c in cache] == [c is None for c in p.layer_configs(6)]
     # Explicit bits: uniform; explicit fp16_layers replace the preset's, schedule stays.
-    assert {(c.key_bits, c.value_bits) for c in make_prompt_cache(model, p, value_bits=3)[1:]} == {(4, 3)}
+    assert {(c.key_bits, c.value_bits) for c in make_prompt_cache(model, p, value_bits=3)[1:]} == {
+        (4, 3)
+    }
     c2 = make_prompt_cache(model, p, fp16_layers=())
     assert isinstance(c2[0], TurboQuantKVCache) and not isinstance(c2[2], TurboQuantKVCache)
     c3 = make_prompt_cache(model, p, layer_overrides={2: (3, 3)})
@@ -1267,8 +1417,9 @@ def test_factory_levers_and_rope_pairing():
     c = make_prompt_cache(model, levered, calibration_tokens=7)
     assert c[0].center and c[0].query_aware_keys and not c[0].calibrated
     assert (c[0].rope_pairing, c[0].rope_dims, c[0].calibration_tokens) == ("half", 64, 7)
-    c = make_prompt_cache(model, levered, query_aware_keys=False, rope_pairing="none",
-                          layer_overrides={1: plain})
+    c = make_prompt_cache(
+        model, levered, query_aware_keys=False, rope_pairing="none", layer_overrides={1: plain}
+    )
     assert c[0].center and not c[0].query_aware_keys and c[0].rope_pairing == "none"
     assert not c[1].center and not c[1].query_aware_keys
     c = make_prompt_cache(model, plain, layer_overrides={1: {"center": True}})
@@ -1316,14 +1467,19 @@ def test_queries_cover_the_whole_short_cache(L):
     # Fewer compressed tokens than queries: early queries see only sinks / nothing compressed.
     rng = np.random.default_rng(L)
     levers = dict(center=True, query_aware_keys=True, calibration_tokens=1)
-    for layout in (dict(), dict(fp16_sink_tokens=2), dict(fp16_sink_tokens=1, fp16_recent_tokens=2),
-                   dict(levers, fp16_sink_tokens=2), dict(levers, fp16_sink_tokens=1,
-                                                          fp16_recent_tokens=2)):
+    for layout in (
+        dict(),
+        dict(fp16_sink_tokens=2),
+        dict(fp16_sink_tokens=1, fp16_recent_tokens=2),
+        dict(levers, fp16_sink_tokens=2),
+        dict(levers, fp16_sink_tokens=1, fp16_recent_tokens=2),
+    ):
         cache, K, V = _filled(rng, [L], **layout)
         q = _rand(rng, (1, 4, L, 64))
         want = _expected_steps(cache, cache.arrived, q, 0.3, "causal")
-        np.testing.assert_allclose(np.array(cache.attention(q, 0.3, "causal")), np.array(want),
-                                   atol=TOL * _magnitude(V))
+        np.testing.assert_allclose(
+            np.array(cache.attention(q, 0.3, "causal")), np.array(want), atol=TOL * _magnitude(V)
+        )
 
 
 def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
@@ -1334,8 +1490,9 @@ def test_decode_with_a_window_longer_than_the_op_tail(monkeypatch):
     tails = _record_op_tails(monkeypatch)
     rng = np.random.default_rng(12)
     window = tq_cache.MAX_TAIL_TOKENS
-    cache, K, V = _filled(rng, [400, 1, 1], B=1, H=2, D=64, center=True,
-                          fp16_sink_tokens=2, fp16_recent_tokens=window)
+    cache, K, V = _filled(
+        rng, [400, 1, 1], B=1, H=2, D=64, center=True, fp16_sink_tokens=2, fp16_recent_tokens=window
+    )
     q = _rand(rng, (1, 4, 1, 64))
     tails.clear()
     got = cache.attention(q, 0.2, "causal")
@@ -1375,8 +1532,16 @@ def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
 
     if mode != "ring-append":
         monkeypatch.setattr(ops, "has_ring_append", lambda *a: False)
-    cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=2,
-               key_bits=4, value_bits=3, seed=3, calibration_tokens=16)
+    cfg = dict(
+        center=True,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=8,
+        rollback_tokens=2,
+        key_bits=4,
+        value_bits=3,
+        seed=3,
+        calibration_tokens=16,
+    )
     rng = np.random.default_rng(4)
     B, H, D = 1, 2, 160 if mode == "host-rotation" else 64
     attending, storing = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
@@ -1388,7 +1553,7 @@ def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
     quantized, arrived, exchanged = [], [], []
     quantize, ring_append = attending._quantize, attending._ring_append
 
-    def counted_ring_append(*a):  # (rk, rv, P, first, end)
+    def counted_ring_append(*a):  # (rk, rv, P, first, end, signs)
         done = ring_append(*a)
         if done:
             exchanged.append(a[2])
@@ -1397,7 +1562,8 @@ def test_window_tokens_leave_without_reading_the_window(monkeypatch, mode):
     for step in range(20):
         if step == 1:  # the first decode step has no tail from a previous one
             monkeypatch.setattr(
-                attending, "_quantize", lambda *a: quantized.append(a) or quantize(*a))
+                attending, "_quantize", lambda *a: quantized.append(a) or quantize(*a)
+            )
             monkeypatch.setattr(attending, "_ring_append", counted_ring_append)
         k, v = _rand(rng, (B, H, 1, D)) + 2.0, _rand(rng, (B, H, 1, D))
         for c in (attending, storing):
@@ -1429,8 +1595,14 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     # those of a cache that rebuilds its tail from the fp16 window at every step.
     # (The ring is in model space with the rotation in the ops, else in code space:
     # host-rotation takes a head dim that is not a power of two.)
-    cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
-               calibration_tokens=16, seed=5)
+    cfg = dict(
+        center=True,
+        fp16_sink_tokens=3,
+        fp16_recent_tokens=8,
+        rollback_tokens=4,
+        calibration_tokens=16,
+        seed=5,
+    )
     rng = np.random.default_rng(31)
     B, H, D = 1, 2, 64 if op_rotation else 160
     ring, rebuild = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
@@ -1451,8 +1623,9 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
             outs.append(np.array(c.attention(q, 0.125, "causal")))
         np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"step {step}")
         K, V = rebuild.dequantized_keys_values(mx.float32)
-        np.testing.assert_allclose(outs[1], np.array(_expected(q, K, V, 0.125, "causal")),
-                                   atol=TOL * _magnitude(V))
+        np.testing.assert_allclose(
+            outs[1], np.array(_expected(q, K, V, 0.125, "causal")), atol=TOL * _magnitude(V)
+        )
     for a, b in zip(ring.state, rebuild.state):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     assert all(t.shape[2] == 3 + 8 for t in tails)  # sinks + window, every step
@@ -1462,8 +1635,13 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     # rebuild once every window_slack steps.
     concatenations = []
     concatenate = mx.concatenate
-    monkeypatch.setattr(mx, "concatenate", lambda arrays, *a, **kw: concatenations.append(
-        len(arrays)) or concatenate(arrays, *a, **kw))
+    monkeypatch.setattr(
+        mx,
+        "concatenate",
+        lambda arrays, *a, **kw: (
+            concatenations.append(len(arrays)) or concatenate(arrays, *a, **kw)
+        ),
+    )
     for _ in range(TurboQuantKVCache.window_slack):
         ring.update_and_fetch(_rand(rng, (B, H, 1, D)), _rand(rng, (B, H, 1, D)))
         ring.attention(_rand(rng, (B, 2 * H, 1, D)), 0.125, "causal")
@@ -1480,7 +1658,8 @@ def test_ring_decode_equals_rebuilding_the_tail(monkeypatch, op_rotation):
     if not op_rotation:
         assert buf[0].shape[2] > ring._win_k.shape[2]
     assert ring.nbytes >= ring.used_nbytes - ring._win_k.nbytes - ring._win_v.nbytes + (
-        sum(a.nbytes for a in window) + ring_bytes)
+        sum(a.nbytes for a in window) + ring_bytes
+    )
 
 
 @pytest.mark.parametrize("ring_append", [True, False], ids=["ring-append", "write-only"])
@@ -1501,8 +1680,14 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_ap
     if not ring_append:
         monkeypatch.setattr(tq_ops, "has_ring_append", lambda *a: False)
 
-    cfg = dict(center=True, fp16_sink_tokens=sinks, fp16_recent_tokens=8,
-               rollback_tokens=4, calibration_tokens=16, seed=7)
+    cfg = dict(
+        center=True,
+        fp16_sink_tokens=sinks,
+        fp16_recent_tokens=8,
+        rollback_tokens=4,
+        calibration_tokens=16,
+        seed=7,
+    )
     rng = np.random.default_rng(41 + sinks)
     # (one KV head without sinks: the window's slice is then row-contiguous, which the
     # write would take as it is, were it the ring)
@@ -1510,14 +1695,20 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_ap
     in_place, lazy, slices = (TurboQuantKVCache(**cfg) for _ in range(3))
     writes = []  # the `after` of each in-place ring write
     for name in ("write_tokens_kv", "ring_append_kv"):
-        monkeypatch.setattr(tq_ops, name, lambda *a, _op=getattr(tq_ops, name), **kw: (
-            tq_ops._has_write_kernel is has_write_kernel and writes.append(kw.get("after"))
-        ) or _op(*a, **kw))
+        monkeypatch.setattr(
+            tq_ops,
+            name,
+            lambda *a, _op=getattr(tq_ops, name), **kw: (
+                (tq_ops._has_write_kernel is has_write_kernel and writes.append(kw.get("after")))
+                or _op(*a, **kw)
+            ),
+        )
 
     def step(c, k, v, q):
         # (the reference cache as a build without the write kernel runs it)
-        monkeypatch.setattr(tq_ops, "_has_write_kernel", has_write_kernel if c is not slices
-                            else lambda *a: False)
+        monkeypatch.setattr(
+            tq_ops, "_has_write_kernel", has_write_kernel if c is not slices else lambda *a: False
+        )
         c.update_and_fetch(k, v)
         return c.attention(q, 0.125, "causal")
 
@@ -1532,12 +1723,12 @@ def test_ring_written_in_place_matches_slice_updates(monkeypatch, sinks, ring_ap
         q = _rand(rng, (B, 2 * H, 1, D))
         mx.eval(k, v, q)
         want = np.array(step(slices, k, v, q))
-        np.testing.assert_array_equal(np.array(step(in_place, k, v, q)), want,
-                                      err_msg=f"step {i}")
+        np.testing.assert_array_equal(np.array(step(in_place, k, v, q)), want, err_msg=f"step {i}")
         # the window as stored (its pending tokens not yet written): untouched by the
         # ring's writes
-        np.testing.assert_array_equal(np.array(in_place._win_k_stored),
-                                      np.array(slices._win_k_stored), err_msg=f"step {i}")
+        np.testing.assert_array_equal(
+            np.array(in_place._win_k_stored), np.array(slices._win_k_stored), err_msg=f"step {i}"
+        )
         pending.append((step(lazy, k, v, q), want))
         if i % 5 == 4:
             mx.eval([o for o, _ in pending])  # (the newest first in the graph's order)
@@ -1558,8 +1749,14 @@ def test_copies_decode_apart_on_their_own_rings(copier):
     # A copy taken while single-token steps run on the ring shares the ring's buffer;
     # each cache then decodes its own tokens as a cache that was never copied does
     # (the ring is written in place, so neither may write the shared one).
-    cfg = dict(center=True, fp16_sink_tokens=3, fp16_recent_tokens=8, rollback_tokens=4,
-               calibration_tokens=16, seed=3)
+    cfg = dict(
+        center=True,
+        fp16_sink_tokens=3,
+        fp16_recent_tokens=8,
+        rollback_tokens=4,
+        calibration_tokens=16,
+        seed=3,
+    )
     rng = np.random.default_rng(57)
     B, H, D = 1, 2, 64
     k, v = _rand(rng, (B, H, 30, D)), _rand(rng, (B, H, 30, D))
@@ -1592,8 +1789,14 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
     # reads the ring, not the window) and done on the window's next read, or from the
     # ring once R tokens wait. Whatever reads the window in between (a verify step,
     # trim, state, dequantized_keys_values) must see what immediate writes give.
-    cfg = dict(center=True, fp16_sink_tokens=4, fp16_recent_tokens=8, rollback_tokens=4,
-               calibration_tokens=16, seed=9)
+    cfg = dict(
+        center=True,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=8,
+        rollback_tokens=4,
+        calibration_tokens=16,
+        seed=9,
+    )
     rng = np.random.default_rng(23)
     B, H, D = 1, 2, 64
     deferred, immediate = TurboQuantKVCache(**cfg), TurboQuantKVCache(**cfg)
@@ -1647,8 +1850,10 @@ def test_deferred_window_writes_match_immediate_ones(monkeypatch):
         np.testing.assert_array_equal(np.array(a), np.array(b))
     restored = TurboQuantKVCache.from_state(deferred.state)
     q = _rand(rng, (B, 2 * H, 1, D))
-    np.testing.assert_array_equal(np.array(restored.attention(q, 0.125, "causal")),
-                                  np.array(immediate.attention(q, 0.125, "causal")))
+    np.testing.assert_array_equal(
+        np.array(restored.attention(q, 0.125, "causal")),
+        np.array(immediate.attention(q, 0.125, "causal")),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1663,9 +1868,15 @@ SPECULATIVE_PRESETS = [n for n, p in PRESETS.items() if p.compressed]
 def _preset_cache(name, **kw):
     p = PRESETS[name]
     return TurboQuantKVCache(
-        p.key_bits, p.value_bits, seed=5, fp16_sink_tokens=p.fp16_sink_tokens,
-        fp16_recent_tokens=p.fp16_recent_tokens, center=p.center,
-        query_aware_keys=p.query_aware_keys, **kw)
+        p.key_bits,
+        p.value_bits,
+        seed=5,
+        fp16_sink_tokens=p.fp16_sink_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens,
+        center=p.center,
+        query_aware_keys=p.query_aware_keys,
+        **kw,
+    )
 
 
 def _same_contents(a, b, what):
@@ -1714,18 +1925,28 @@ def test_verification_and_trim_equal_single_token_steps(preset):
             rounds += 1
             n = accepted + 1  # tokens kept: the verified token and the accepted drafts
             junk = [_rand(rng, (B, H, 4 - n, D)) for _ in range(2)] + [
-                _rand(rng, (B, 2 * H, 4 - n, D))]
-            spec.update_and_fetch(mx.concatenate([K[:, :, pos : pos + n], junk[0]], axis=2),
-                                  mx.concatenate([V[:, :, pos : pos + n], junk[1]], axis=2))
-            got = spec.attention(mx.concatenate([Q[:, :, pos : pos + n], junk[2]], axis=2),
-                                 0.125, "causal")
+                _rand(rng, (B, 2 * H, 4 - n, D))
+            ]
+            spec.update_and_fetch(
+                mx.concatenate([K[:, :, pos : pos + n], junk[0]], axis=2),
+                mx.concatenate([V[:, :, pos : pos + n], junk[1]], axis=2),
+            )
+            got = spec.attention(
+                mx.concatenate([Q[:, :, pos : pos + n], junk[2]], axis=2), 0.125, "causal"
+            )
             assert spec.trim(4 - n) == 4 - n
             for i in range(n):
-                plain.update_and_fetch(K[:, :, pos + i : pos + i + 1],
-                                       V[:, :, pos + i : pos + i + 1])
+                plain.update_and_fetch(
+                    K[:, :, pos + i : pos + i + 1], V[:, :, pos + i : pos + i + 1]
+                )
                 want = plain.attention(Q[:, :, pos + i : pos + i + 1], 0.125, "causal")
-                np.testing.assert_allclose(np.array(got[:, :, i : i + 1]), np.array(want),
-                                           atol=tol, rtol=0, err_msg=f"position {pos + i}")
+                np.testing.assert_allclose(
+                    np.array(got[:, :, i : i + 1]),
+                    np.array(want),
+                    atol=tol,
+                    rtol=0,
+                    err_msg=f"position {pos + i}",
+                )
             pos += n
             _same_contents(spec, plain, f"after the block at {pos - n}, {4 - n} trimmed")
 
@@ -1742,6 +1963,7 @@ def test_verification_and_trim_equal_single_token_steps(preset):
 
 # ---------------------------------------------------------------------------
 # refused updates
+
 
 def _arrays_in(x):
     """The mx.arrays in an attribute value (nested in tuples, lists, deques)."""
@@ -1769,7 +1991,8 @@ def _assert_unchanged(cache, snapshot, what):
         assert cache.__dict__[k] is v, f"{what}: {k}"
     for k, v in seqs.items():
         assert len(cache.__dict__[k]) == len(v) and all(
-            x is y for x, y in zip(cache.__dict__[k], v)), f"{what}: {k}"
+            x is y for x, y in zip(cache.__dict__[k], v)
+        ), f"{what}: {k}"
     for k, v in values.items():
         for a, b in zip(_arrays_in(cache.__dict__[k]), v):
             np.testing.assert_array_equal(np.array(a), b, err_msg=f"{what}: {k}")
@@ -1777,24 +2000,36 @@ def _assert_unchanged(cache, snapshot, what):
 
 _REFUSAL_CONFIGS = {
     "plain": dict(),
-    "sinks-window": dict(fp16_sink_tokens=4, fp16_recent_tokens=8, center=True,
-                         calibration_tokens=16),
-    "query-aware": dict(fp16_sink_tokens=2, fp16_recent_tokens=6, center=True,
-                        query_aware_keys=True, calibration_tokens=16, key_bits=3,
-                        value_bits=3),
+    "sinks-window": dict(
+        fp16_sink_tokens=4, fp16_recent_tokens=8, center=True, calibration_tokens=16
+    ),
+    "query-aware": dict(
+        fp16_sink_tokens=2,
+        fp16_recent_tokens=6,
+        center=True,
+        query_aware_keys=True,
+        calibration_tokens=16,
+        key_bits=3,
+        value_bits=3,
+    ),
     "uncalibrated": dict(fp16_recent_tokens=8, center=True, calibration_tokens=100),
 }
 
 
 def _bad_updates(rng, L, D=64):
     """``(kind, keys, values)`` that update_and_fetch must refuse, ``L`` tokens."""
+
     def tok(*shape):
         return _rand(rng, shape or (1, 2, L, D))
 
     out = []
-    for kind, which, value in (("nan key", 0, np.nan), ("nan value", 1, np.nan),
-                               ("inf key", 0, np.inf), ("-inf value", 1, -np.inf),
-                               ("beyond float16", 0, 1e6)):
+    for kind, which, value in (
+        ("nan key", 0, np.nan),
+        ("nan value", 1, np.nan),
+        ("inf key", 0, np.inf),
+        ("-inf value", 1, -np.inf),
+        ("beyond float16", 0, 1e6),
+    ):
         kv = [tok(), tok()]
         x = np.array(kv[which])
         x[0, 1, L - 1, 5] = value
@@ -1817,8 +2052,13 @@ def test_refused_update_leaves_the_cache_unchanged(config, point):
     # window, ring, counters. The cache then goes on as one that never saw the call.
     cfg = dict(dict(key_bits=4, value_bits=4, seed=3), **_REFUSAL_CONFIGS[config])
     L = {"empty": 20, "prefill": 20, "decode": 1, "verify": 4, "after-trim": 1}[point]
-    steps = dict(empty=[], prefill=[24], decode=[24] + [1] * 12, verify=[24, 1, 1, 4],
-                 **{"after-trim": [24] + [1] * 12})[point]
+    steps = dict(
+        empty=[],
+        prefill=[24],
+        decode=[24] + [1] * 12,
+        verify=[24, 1, 1, 4],
+        **{"after-trim": [24] + [1] * 12},
+    )[point]
 
     def history(seed):
         rng = np.random.default_rng(seed)
@@ -1911,8 +2151,9 @@ def test_deferred_prompt_check_takes_the_block_back_out(when):
         cache.update_and_fetch(*nxt)
     twin.update_and_fetch(*nxt)
     q = _queries(rng, (1, 4, n, 64))
-    np.testing.assert_array_equal(np.array(cache.attention(q, 0.125, "causal")),
-                                  np.array(twin.attention(q, 0.125, "causal")))
+    np.testing.assert_array_equal(
+        np.array(cache.attention(q, 0.125, "causal")), np.array(twin.attention(q, 0.125, "causal"))
+    )
 
 
 @pytest.mark.parametrize("preset", ["tq4", "k4v3", "tq3", "tq4-plain"])
@@ -1926,8 +2167,13 @@ def test_never_allocates_more_than_fp16_once_decoding(preset):
     rng = np.random.default_rng(0)
     for n in (5, 40, 100, 300, 1000, 4000):
         fp16 = KVCache()
-        cache = TurboQuantKVCache(p.key_bits, p.value_bits, fp16_sink_tokens=p.fp16_sink_tokens,
-                                  fp16_recent_tokens=p.fp16_recent_tokens, center=p.center)
+        cache = TurboQuantKVCache(
+            p.key_bits,
+            p.value_bits,
+            fp16_sink_tokens=p.fp16_sink_tokens,
+            fp16_recent_tokens=p.fp16_recent_tokens,
+            center=p.center,
+        )
         k = mx.array(rng.standard_normal((1, 3, n, 64)), mx.float16)
         for c in (fp16, cache):
             c.update_and_fetch(k, k)

@@ -31,15 +31,26 @@ from lm_helpers import build_model
 from turboquant_mlx import fallback
 from turboquant_mlx.cache import TurboQuantKVCache, layer_seed, make_prompt_cache
 from turboquant_mlx.fold import (
-    FOLD_ATTRIBUTE, ValueFoldError, _folded_layers, fold_value_rotation, value_fold_of,
+    FOLD_ATTRIBUTE,
+    ValueFoldError,
+    _folded_layers,
+    fold_value_rotation,
+    value_fold_of,
 )
 from turboquant_mlx.prompt_cache import PromptCacheError, save_prompt_cache
 from turboquant_mlx.rotation import Rotation
 
 QWEN2 = dict(
-    model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
-    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-    vocab_size=lm_helpers.VOCAB, tie_word_embeddings=True, rope_theta=10000.0,
+    model_type="qwen2",
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    vocab_size=lm_helpers.VOCAB,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
 )  # head dim 64, v_proj with bias
 
 # Logits of a folded vs an unfolded two-layer model (float32 cache storage), as a
@@ -111,8 +122,13 @@ def test_folded_weights_grouped_query_attention():
 
 CACHE_CONFIGS = [
     dict(preset="tq4-plain"),
-    dict(preset="tq4-plain", value_bits=3, fp16_sink_tokens=4, fp16_recent_tokens=16,
-         fp16_layers=(1, 0)),
+    dict(
+        preset="tq4-plain",
+        value_bits=3,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=16,
+        fp16_layers=(1, 0),
+    ),
     dict(preset="tq4-plain", center=True, query_aware_keys=True),
 ]
 
@@ -166,8 +182,12 @@ def _check_lockstep(record, c0, c1, fold, max_flip_fraction):
         assert n == b._n_comp
         if n == 0:
             continue
-        np.testing.assert_array_equal(np.array(a._k_codes[:, :, :n]), np.array(b._k_codes[:, :, :n]))
-        np.testing.assert_array_equal(np.array(a._k_scales[:, :, :n]), np.array(b._k_scales[:, :, :n]))
+        np.testing.assert_array_equal(
+            np.array(a._k_codes[:, :, :n]), np.array(b._k_codes[:, :, :n])
+        )
+        np.testing.assert_array_equal(
+            np.array(a._k_scales[:, :, :n]), np.array(b._k_scales[:, :, :n])
+        )
         bits, D = a.value_bits, a.head_dim
         va = np.array(fallback.unpack(a._v_codes[:, :, :n], bits, D)).astype(np.int64)
         vb = np.array(fallback.unpack(b._v_codes[:, :, :n], bits, D)).astype(np.int64)
@@ -233,9 +253,7 @@ def test_fold_from_a_prompt_cache_and_without_cache():
     unfolded_cache = make_prompt_cache(base, "tq4-plain", seed=2, window_dtype=mx.float32)
     _assert_logits_close(base, folded, unfolded_cache, cache, tokens, 70)
     # No cache at all: nothing stored, the folded model is the same function.
-    np.testing.assert_allclose(
-        np.array(folded(tokens)), np.array(base(tokens)), atol=1e-4, rtol=0
-    )
+    np.testing.assert_allclose(np.array(folded(tokens)), np.array(base(tokens)), atol=1e-4, rtol=0)
 
 
 def test_quantized_weights_dequantize_and_requantize():
@@ -359,8 +377,13 @@ class _NumpyLinear(nn.Module):
         super().__init__()
         w = linear.weight
         if isinstance(linear, nn.QuantizedLinear):
-            w = mx.dequantize(w, linear.scales, linear.get("biases"),
-                              group_size=linear.group_size, bits=linear.bits)
+            w = mx.dequantize(
+                w,
+                linear.scales,
+                linear.get("biases"),
+                group_size=linear.group_size,
+                bits=linear.bits,
+            )
         self._wt = np.ascontiguousarray(np.array(w.astype(mx.float32)).T)
 
     def __call__(self, x):
@@ -370,8 +393,10 @@ class _NumpyLinear(nn.Module):
 
 def _numpy_linears(model):
     for layer in model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+        for parent, names in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
+        ):
             for n in names:
                 setattr(parent, n, _NumpyLinear(getattr(parent, n)))
 
@@ -419,8 +444,20 @@ def test_cli_fold_values(tmp_path):
 
     path = str(tmp_path / "tiny")
     lm_helpers.save_model_dir(_model("llama"), "llama", path)
-    common = ["--model", path, "--prompt", "hello world, " * 20, "--max-tokens", "4",
-              "--kv-preset", "tq4-plus", "--fp16-layers", "1:0", "--seed", "0"]
+    common = [
+        "--model",
+        path,
+        "--prompt",
+        "hello world, " * 20,
+        "--max-tokens",
+        "4",
+        "--kv-preset",
+        "tq4-plus",
+        "--fp16-layers",
+        "1:0",
+        "--seed",
+        "0",
+    ]
     outs = {}
     for mode in ("none", "dequantize", "requantize"):
         out = io.StringIO()
@@ -430,5 +467,12 @@ def test_cli_fold_values(tmp_path):
     assert outs["none"].strip() and outs["dequantize"] == outs["none"]  # float weights: exact
     assert outs["requantize"] == outs["none"]  # nothing quantized: requantize folds exactly
     with pytest.raises(ValueError, match="--fold-values cannot be combined"):
-        main(common + ["--fold-values", "dequantize",
-                       "--save-prompt-cache", str(tmp_path / "c.safetensors")])
+        main(
+            common
+            + [
+                "--fold-values",
+                "dequantize",
+                "--save-prompt-cache",
+                str(tmp_path / "c.safetensors"),
+            ]
+        )

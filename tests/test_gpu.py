@@ -112,9 +112,7 @@ def test_quantize_append_bit_exact_vs_cpu(head_dim, bits):
     untouched = np.ones(capacity, bool)
     untouched[offset : offset + length] = False
     np.testing.assert_array_equal(gpu_w[:, :, untouched], words[:, :, untouched])
-    np.testing.assert_array_equal(
-        gpu_s[:, :, untouched], scales.view(np.uint16)[:, :, untouched]
-    )
+    np.testing.assert_array_equal(gpu_s[:, :, untouched], scales.view(np.uint16)[:, :, untouched])
 
 
 @pytest.mark.parametrize("in_place", (False, True), ids=("nodes", "in_place"))
@@ -135,8 +133,15 @@ def test_quantize_append_rotating_bit_exact_vs_cpu(head_dim, bits, x_dtype, in_p
     results = []
     for device in (mx.Device(mx.cpu), gpu()):
         out = ops.quantize_append(
-            mx.array(words), mx.array(scales), x, c, offset, bits, rotation_signs=signs,
-            in_place=in_place and device.type == mx.gpu, stream=device,
+            mx.array(words),
+            mx.array(scales),
+            x,
+            c,
+            offset,
+            bits,
+            rotation_signs=signs,
+            in_place=in_place and device.type == mx.gpu,
+            stream=device,
         )
         mx.eval(*out)
         results.append((bits_of(out[0]), bits_of(out[1])))
@@ -158,21 +163,39 @@ def test_quantize_append_kv_bit_exact_vs_cpu(head_dim, x_dtype):
     vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, 3)
     keys = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
     values = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
-    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
-              for _ in range(2))
+    mk, mv = (
+        mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+        for _ in range(2)
+    )
     ck, cv = mx.array(centroids_np(head_dim, 4)), mx.array(centroids_np(head_dim, 3))
     signs = Rotation(head_dim, seed=5).kernel_signs
     cpu = mx.Device(mx.cpu)
     want = []
-    for w, sc, x, c, bits, sg, m in ((kw, ksc, keys, ck, 4, signs, mk),
-                                     (vw, vsc, values, cv, 3, None, mv)):
-        out = ops.quantize_append(mx.array(w), mx.array(sc), x, c, offset, bits,
-                                  rotation_signs=sg, mean=m, stream=cpu)
+    for w, sc, x, c, bits, sg, m in (
+        (kw, ksc, keys, ck, 4, signs, mk),
+        (vw, vsc, values, cv, 3, None, mv),
+    ):
+        out = ops.quantize_append(
+            mx.array(w), mx.array(sc), x, c, offset, bits, rotation_signs=sg, mean=m, stream=cpu
+        )
         mx.eval(*out)
         want += [bits_of(o) for o in out]
     got = ops.quantize_append_kv(
-        mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc), keys, values, ck, cv,
-        offset, 4, 3, key_rotation_signs=signs, key_mean=mk, value_mean=mv, stream=gpu(),
+        mx.array(kw),
+        mx.array(ksc),
+        mx.array(vw),
+        mx.array(vsc),
+        keys,
+        values,
+        ck,
+        cv,
+        offset,
+        4,
+        3,
+        key_rotation_signs=signs,
+        key_mean=mk,
+        value_mean=mv,
+        stream=gpu(),
     )
     mx.eval(*got)
     for g, w in zip(got, want):
@@ -193,29 +216,46 @@ def test_kv_as_one_launch_bit_exact_vs_cpu(x_dtype):
     vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, 4)
     keys = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
     values = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
-    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
-              for _ in range(2))
+    mk, mv = (
+        mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+        for _ in range(2)
+    )
     c = mx.array(centroids_np(head_dim, 4))
     signs = Rotation(head_dim, seed=6).kernel_signs
     cpu = mx.Device(mx.cpu)
     want = []
     for w, sc, x, m in ((kw, ksc, keys, mk), (vw, vsc, values, mv)):
-        out = ops.quantize_append(mx.array(w), mx.array(sc), x, c, offset, 4,
-                                  rotation_signs=signs, mean=m, stream=cpu)
+        out = ops.quantize_append(
+            mx.array(w), mx.array(sc), x, c, offset, 4, rotation_signs=signs, mean=m, stream=cpu
+        )
         mx.eval(*out)
         want += [bits_of(o) for o in out]
     got = ops.quantize_append_kv(
-        mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc), keys, values, c, c,
-        offset, 4, 4, key_rotation_signs=signs, value_rotation_signs=signs, key_mean=mk,
-        value_mean=mv, stream=gpu(),
+        mx.array(kw),
+        mx.array(ksc),
+        mx.array(vw),
+        mx.array(vsc),
+        keys,
+        values,
+        c,
+        c,
+        offset,
+        4,
+        4,
+        key_rotation_signs=signs,
+        value_rotation_signs=signs,
+        key_mean=mk,
+        value_mean=mv,
+        stream=gpu(),
     )
     mx.eval(*got)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(bits_of(g), w)
 
     # The token write (a window preset's ring): the buffers' other slots keep their bits.
-    kbuf, vbuf = (rng.standard_normal((batch, heads, capacity, head_dim)).astype(np.float32)
-                  for _ in range(2))
+    kbuf, vbuf = (
+        rng.standard_normal((batch, heads, capacity, head_dim)).astype(np.float32) for _ in range(2)
+    )
     kbuf, vbuf = mx.array(kbuf).astype(x_dtype), mx.array(vbuf).astype(x_dtype)
     mx.eval(kbuf, vbuf)
     raw = lambda a: np.array(a.view(mx.uint16))  # noqa: E731
@@ -241,22 +281,43 @@ def test_ring_append_bit_exact_vs_cpu(x_dtype, bits):
     kb, vb = bits
     kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, kb)
     vw, vsc = poisoned_cache(rng, batch, heads, capacity, head_dim, vb)
-    rings = [mx.array(random_tokens(rng, (batch, heads, slots, head_dim))).astype(x_dtype)
-             for _ in range(2)]
-    new = [mx.array(random_tokens(rng, (batch, heads, 1, head_dim))).astype(x_dtype)
-           for _ in range(2)]
-    mk, mv = (mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
-              for _ in range(2))
+    rings = [
+        mx.array(random_tokens(rng, (batch, heads, slots, head_dim))).astype(x_dtype)
+        for _ in range(2)
+    ]
+    new = [
+        mx.array(random_tokens(rng, (batch, heads, 1, head_dim))).astype(x_dtype) for _ in range(2)
+    ]
+    mk, mv = (
+        mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
+        for _ in range(2)
+    )
     ck, cv = mx.array(centroids_np(head_dim, kb)), mx.array(centroids_np(head_dim, vb))
     signs = Rotation(head_dim, seed=8).kernel_signs
     mx.eval(*rings, *new)
 
     def run(stream):
         out = ops.ring_append_kv(
-            mx.array(kw), mx.array(ksc), mx.array(vw), mx.array(vsc),
-            mx.array(rings[0]), mx.array(rings[1]), new[0], new[1], ck, cv, offset, slot,
-            kb, vb, key_rotation_signs=signs, value_rotation_signs=signs, key_mean=mk,
-            value_mean=mv, stream=stream)
+            mx.array(kw),
+            mx.array(ksc),
+            mx.array(vw),
+            mx.array(vsc),
+            mx.array(rings[0]),
+            mx.array(rings[1]),
+            new[0],
+            new[1],
+            ck,
+            cv,
+            offset,
+            slot,
+            kb,
+            vb,
+            key_rotation_signs=signs,
+            value_rotation_signs=signs,
+            key_mean=mk,
+            value_mean=mv,
+            stream=stream,
+        )
         mx.eval(*out)
         return [bits_of(o) for o in out[:4]] + [np.array(o.view(mx.uint16)) for o in out[4:]]
 
@@ -295,8 +356,19 @@ def test_ops_read_inputs_strided_along_the_last_axis():
     results = []
     for device, qin in ((mx.Device(mx.cpu), mx.array(q)), (gpu(), strided_last_axis(q))):
         out, lse = ops.compressed_attention(
-            qin, mx.array(k_words), mx.array(k_scales), mx.array(k_words), mx.array(k_scales),
-            c, c, 33, 0.1, bits, bits, True, stream=device,
+            qin,
+            mx.array(k_words),
+            mx.array(k_scales),
+            mx.array(k_words),
+            mx.array(k_scales),
+            c,
+            c,
+            33,
+            0.1,
+            bits,
+            bits,
+            True,
+            stream=device,
         )
         mx.eval(out, lse)
         results.append((np.array(out), np.array(lse)))
@@ -352,29 +424,47 @@ def test_dequantize_matches_cpu(head_dim, bits):
     words, scales, _ = reference_cache(rng, 2, 3, 40, 33, head_dim, bits)
     c = mx.array(centroids_np(head_dim, bits))
     got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=gpu())
-    want = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=mx.Device(mx.cpu))
+    want = ops.dequantize(
+        mx.array(words), mx.array(scales), c, bits, 3, 29, stream=mx.Device(mx.cpu)
+    )
     np.testing.assert_array_equal(np.array(got), np.array(want))
     # The prefill's form: half-precision output with free slots around the tokens.
     for dtype in (mx.float16, mx.bfloat16):
         kw = dict(dtype=dtype, before=4, after=37)
         got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, stream=gpu(), **kw)
-        want = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29,
-                              stream=mx.Device(mx.cpu), **kw)
+        want = ops.dequantize(
+            mx.array(words), mx.array(scales), c, bits, 3, 29, stream=mx.Device(mx.cpu), **kw
+        )
         assert got.dtype == dtype and got.shape == want.shape
-        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
-                                      np.array(want.astype(mx.float32)))
+        np.testing.assert_array_equal(
+            np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        )
         # ... and with the rows around the tokens copied in, into a reused buffer.
         prefix = mx.array(rng.standard_normal((2, 3, 4, head_dim))).astype(dtype)
         suffix = mx.array(rng.standard_normal((2, 3, 37, head_dim))).astype(dtype)
         into = mx.full((2 * 3 * 70 * head_dim,), 5.0, dtype)
         mx.eval(prefix, suffix, into)
-        got = ops.dequantize(mx.array(words), mx.array(scales), c, bits, 3, 29, dtype=dtype,
-                             prefix=prefix, suffix=suffix, into=into, stream=gpu())
+        got = ops.dequantize(
+            mx.array(words),
+            mx.array(scales),
+            c,
+            bits,
+            3,
+            29,
+            dtype=dtype,
+            prefix=prefix,
+            suffix=suffix,
+            into=into,
+            stream=gpu(),
+        )
         want = mx.concatenate([prefix, want[:, :, 4:33], suffix], axis=2)
-        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
-                                      np.array(want.astype(mx.float32)))
-        np.testing.assert_array_equal(np.array(into[: got.size].astype(mx.float32)),
-                                      np.array(want.astype(mx.float32)).reshape(-1))
+        np.testing.assert_array_equal(
+            np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        )
+        np.testing.assert_array_equal(
+            np.array(into[: got.size].astype(mx.float32)),
+            np.array(want.astype(mx.float32)).reshape(-1),
+        )
 
 
 def test_cuda_pool_counts_and_bounds_what_it_keeps():
@@ -486,10 +576,12 @@ def run_attention(
     tail_k = tail_v = None
     if tail:
         # in the queries' dtype, as the op takes it (the reference reads the same values)
-        tail_k = to_np(mx.array(2.0 * rng.standard_normal((batch, kv_heads, tail, head_dim)))
-                       .astype(q_dtype)).astype(np.float32)
-        tail_v = to_np(mx.array(rng.standard_normal((batch, kv_heads, tail, head_dim)))
-                       .astype(q_dtype)).astype(np.float32)
+        tail_k = to_np(
+            mx.array(2.0 * rng.standard_normal((batch, kv_heads, tail, head_dim))).astype(q_dtype)
+        ).astype(np.float32)
+        tail_v = to_np(
+            mx.array(rng.standard_normal((batch, kv_heads, tail, head_dim))).astype(q_dtype)
+        ).astype(np.float32)
     out, lse = ops.compressed_attention(
         q,
         *caches,
@@ -507,8 +599,15 @@ def run_attention(
     )
     mx.eval(out, lse)
     ref_out, ref_lse = reference.attention(
-        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m),
-        tail_k, tail_v,
+        to_np(q),
+        k_hat,
+        v_hat,
+        scale,
+        kv_len,
+        causal,
+        None if m is None else to_np(m),
+        tail_k,
+        tail_v,
     )
     if tail:
         v_hat = np.concatenate([v_hat[:, :, :kv_len], tail_v], axis=2)
@@ -536,7 +635,11 @@ def test_attention_lengths_and_gqa(env_switch, kv_len, group, kernel):
     for q_len in sorted({1, min(kv_len, 3), min(kv_len, 8)}):
         q_dtype = query_dtype(kernel, q_len)
         result = run_attention(
-            rng, kv_len=kv_len, group=group, q_len=q_len, kv_heads=2 if kv_len > 5000 else 3,
+            rng,
+            kv_len=kv_len,
+            group=group,
+            q_len=q_len,
+            kv_heads=2 if kv_len > 5000 else 3,
             q_dtype=q_dtype,
         )
         exact = 2e-5 if kv_len > 5000 else 1e-5
@@ -600,7 +703,13 @@ def test_attention_masks(env_switch, mask, causal, kernel):
     q_dtype = query_dtype(kernel, MASKS.index(mask) + causal)
     for kv_len in (40, 3001):
         result = run_attention(
-            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=causal, head_dim=64,
+            rng,
+            batch=2,
+            q_len=3,
+            kv_len=kv_len,
+            mask=mask,
+            causal=causal,
+            head_dim=64,
             q_dtype=q_dtype,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, 64, 4, 4))
@@ -671,7 +780,9 @@ HALF_CASES = (
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-@pytest.mark.parametrize("key_bits,value_bits", ((4, 4), (4, 3), (4, 2), (3, 3), (3, 2), (2, 2), (3, 4)))
+@pytest.mark.parametrize(
+    "key_bits,value_bits", ((4, 4), (4, 3), (4, 2), (3, 3), (3, 2), (2, 2), (3, 4))
+)
 def test_attention_half_queries(env_switch, head_dim, key_bits, value_bits, kernel):
     select_kernel(env_switch, kernel)
     case = head_dim + 10 * key_bits + value_bits
@@ -703,8 +814,14 @@ def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, val
     rng = np.random.default_rng(head_dim + key_bits)
     for kv_len, group in ((40, 4), (1500, 8)):
         result = run_attention(
-            rng, kv_len=kv_len, group=group, head_dim=head_dim, key_bits=key_bits,
-            value_bits=value_bits, q_dtype=mx.float16, gapped=True,
+            rng,
+            kv_len=kv_len,
+            group=group,
+            head_dim=head_dim,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            q_dtype=mx.float16,
+            gapped=True,
         )
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, key_bits, value_bits))
 
@@ -720,7 +837,12 @@ def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_off
     rng = np.random.default_rng(head_dim + scale_offset)
     for kv_len, group in ((5, 4), (40, 4), (1500, 8), (4103, 4)):
         result = run_attention(
-            rng, batch=2, kv_len=kv_len, group=group, head_dim=head_dim, q_dtype=mx.float16,
+            rng,
+            batch=2,
+            kv_len=kv_len,
+            group=group,
+            head_dim=head_dim,
+            q_dtype=mx.float16,
             scale_offset=scale_offset,
         )
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
@@ -735,7 +857,13 @@ def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kerne
     rng = np.random.default_rng(40 + q_offset)
     for q_dtype in (mx.float16, mx.bfloat16):
         result = run_attention(
-            rng, batch=2, q_len=2, kv_len=700, group=4, q_dtype=q_dtype, q_offset=q_offset,
+            rng,
+            batch=2,
+            q_len=2,
+            kv_len=700,
+            group=4,
+            q_dtype=q_dtype,
+            q_offset=q_offset,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, 128, 4, 4))
 
@@ -751,9 +879,19 @@ def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, spli
     env_switch("TURBOQUANT_FUSED_MERGE", fused)
     env_switch("TURBOQUANT_ATTN_SPLITS", splits)
     rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
-    for head_dim, q_dtype, tail in ((128, mx.float16, 0), (64, mx.bfloat16, 36), (256, mx.float16, 5)):
+    for head_dim, q_dtype, tail in (
+        (128, mx.float16, 0),
+        (64, mx.bfloat16, 36),
+        (256, mx.float16, 5),
+    ):
         result = run_attention(
-            rng, batch=2, q_len=1, kv_len=9000, group=4, head_dim=head_dim, q_dtype=q_dtype,
+            rng,
+            batch=2,
+            q_len=1,
+            kv_len=9000,
+            group=4,
+            head_dim=head_dim,
+            q_dtype=q_dtype,
             tail=tail,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
@@ -766,8 +904,14 @@ def test_attention_half_queries_masks(env_switch, mask, kernel):
     rng = np.random.default_rng(hash(mask) % 1000)
     for kv_len, head_dim in ((40, 64), (3001, 128)):
         result = run_attention(
-            rng, batch=2, q_len=3, kv_len=kv_len, mask=mask, causal=True,
-            head_dim=head_dim, q_dtype=mx.float16,
+            rng,
+            batch=2,
+            q_len=3,
+            kv_len=kv_len,
+            mask=mask,
+            causal=True,
+            head_dim=head_dim,
+            q_dtype=mx.float16,
         )
         assert_attention_close(*result, rtol=rtol_for(mx.float16, head_dim, 4, 4))
 
@@ -796,9 +940,19 @@ def test_attention_half_queries_large_magnitude(env_switch, kernel):
     q = mx.array(1e5 * rng.standard_normal((1, 8, 1, 128)).astype(np.float32)).astype(mx.bfloat16)
     scale = 1.0 / math.sqrt(128)
     out, lse = ops.compressed_attention(
-        q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
-        mx.array(centroids_np(128, 4)), mx.array(centroids_np(128, 4)),
-        64, scale, 4, 4, False, stream=gpu(),
+        q,
+        mx.array(k_words),
+        mx.array(k_scales),
+        mx.array(v_words),
+        mx.array(v_scales),
+        mx.array(centroids_np(128, 4)),
+        mx.array(centroids_np(128, 4)),
+        64,
+        scale,
+        4,
+        4,
+        False,
+        stream=gpu(),
     )
     ref_out, ref_lse = reference.attention(to_np(q), k_hat, v_hat, scale, 64, False)
     out, lse = np.array(out), np.array(lse)
@@ -836,8 +990,14 @@ def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
         (4097, 256, 256, 8, True),
     ):
         result = run_attention(
-            rng, kv_len=kv_len, q_len=q_len, group=4, head_dim=head_dim, tail=tail,
-            causal=causal, q_dtype=q_dtype,
+            rng,
+            kv_len=kv_len,
+            q_len=q_len,
+            group=4,
+            head_dim=head_dim,
+            tail=tail,
+            causal=causal,
+            q_dtype=q_dtype,
         )
         assert_attention_close(*result, rtol=rtol_for(q_dtype, head_dim, 4, 4))
 
@@ -859,11 +1019,23 @@ def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, sp
     if q_dtype == mx.bfloat16:
         rtol *= 8  # the model-space tail carries bfloat16's 8-bit mantissa
     for kv_len, q_len, tail, rotate_output, centered in (
-            (40, 1, 0, True, False), (6000, 3, 0, False, False), (900, 2, 12, True, False),
-            (5000, 1, 36, True, True), (300, 2, 0, True, True), (64, 1, 36, False, True)):
+        (40, 1, 0, True, False),
+        (6000, 3, 0, False, False),
+        (900, 2, 12, True, False),
+        (5000, 1, 36, True, True),
+        (300, 2, 0, True, True),
+        (64, 1, 36, False, True),
+    ):
         out, lse, ref_out, ref_lse, v_max = run_model_space_attention(
-            rng, head_dim=head_dim, q_dtype=q_dtype, kv_len=kv_len, q_len=q_len, tail=tail,
-            rotate_output=rotate_output, group=8 if head_dim == 128 else 4, stream=gpu(),
+            rng,
+            head_dim=head_dim,
+            q_dtype=q_dtype,
+            kv_len=kv_len,
+            q_len=q_len,
+            tail=tail,
+            rotate_output=rotate_output,
+            group=8 if head_dim == 128 else 4,
+            stream=gpu(),
             centered=centered,
         )
         err = np.abs(out - ref_out).max() / v_max
@@ -904,8 +1076,10 @@ def test_simdgroup_matrix_emulation():
     # the diagonal constructor; every lane's elements must be those of Metal's layout.
     rng = np.random.default_rng(28)
     a, b, c = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
-    got = np.array(_ext._simdgroup_matrix_check(a.ravel().tolist(), b.ravel().tolist(),
-                                                c.ravel().tolist()), np.float32).reshape(8, 64)
+    got = np.array(
+        _ext._simdgroup_matrix_check(a.ravel().tolist(), b.ravel().tolist(), c.ravel().tolist()),
+        np.float32,
+    ).reshape(8, 64)
     a16 = a.astype(np.float16).astype(np.float32)
     b16 = b.astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(got[0], held(a))

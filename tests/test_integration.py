@@ -85,8 +85,15 @@ CONFIGS = [
     dict(key_bits=4, value_bits=4, fp16_recent_tokens=7),
     # The levers: calibrated in the prefill, and (50 tokens) at the 12-token call.
     dict(key_bits=4, value_bits=4, fp16_sink_tokens=4, center=True, query_aware_keys=True),
-    dict(key_bits=3, value_bits=3, fp16_sink_tokens=2, fp16_recent_tokens=8, center=True,
-         query_aware_keys=True, calibration_tokens=50),
+    dict(
+        key_bits=3,
+        value_bits=3,
+        fp16_sink_tokens=2,
+        fp16_recent_tokens=8,
+        center=True,
+        query_aware_keys=True,
+        calibration_tokens=50,
+    ),
     dict(key_bits=3, value_bits=4, center=True),
 ]
 _LEVERS = ("center", "query_aware_keys", "calibration_tokens")
@@ -98,10 +105,15 @@ def test_logits_match_dequantized_reference(llama, cfg, chunked):
     # chunked: the prefill's unfused attention (the CPU's) one query at a time.
     extra = dict(prefill_budget_bytes=1) if chunked else {}
     cache = shadow_caches(llama, seed=3, rollback_tokens=4, **cfg, **extra)
-    ref = reference_caches(llama, cfg["key_bits"], cfg["value_bits"], seed=3,
-                           fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
-                           fp16_recent_tokens=cfg.get("fp16_recent_tokens", 0),
-                           **{k: cfg[k] for k in _LEVERS if k in cfg})
+    ref = reference_caches(
+        llama,
+        cfg["key_bits"],
+        cfg["value_bits"],
+        seed=3,
+        fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
+        fp16_recent_tokens=cfg.get("fp16_recent_tokens", 0),
+        **{k: cfg[k] for k in _LEVERS if k in cfg},
+    )
     tokens = _tokens(sum(SCHEDULE))
     got = _run(llama, cache, tokens, SCHEDULE)
     levers = any(cfg.get(k) for k in ("center", "query_aware_keys"))
@@ -119,9 +131,13 @@ def test_logits_match_dequantized_reference(llama, cfg, chunked):
     levers = cfg.get("center", False) or cfg.get("query_aware_keys", False)
     atol = ATOL_LEVERS if levers else ATOL
     for n, g, w, f in zip(SCHEDULE, got, want, fp16):
-        np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}")
+        np.testing.assert_allclose(
+            np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}"
+        )
     # The comparison is meaningful: quantization visibly changes the logits.
-    assert max(float(mx.abs(g - f).max()) for g, f in zip(got, fp16)) > (10 if levers else 50) * atol
+    assert (
+        max(float(mx.abs(g - f).max()) for g, f in zip(got, fp16)) > (10 if levers else 50) * atol
+    )
 
 
 def test_head_dim_128_and_fp16_layers():
@@ -160,11 +176,19 @@ def test_greedy_generation_matches_reference(llama, preset):
     p = PRESETS[preset]
     cache = make_prompt_cache(llama, preset, seed=7)
     ref = reference_caches(llama, p.key_bits, p.value_bits, seed=7, **preset_kwargs(p))
-    got = [t for t, _ in generate_step(prompt, llama, prompt_cache=cache, max_tokens=12,
-                                        prefill_step_size=16)]
+    got = [
+        t
+        for t, _ in generate_step(
+            prompt, llama, prompt_cache=cache, max_tokens=12, prefill_step_size=16
+        )
+    ]
     with route_reference_attention():
-        want = [t for t, _ in generate_step(prompt, llama, prompt_cache=ref, max_tokens=12,
-                                             prefill_step_size=16)]
+        want = [
+            t
+            for t, _ in generate_step(
+                prompt, llama, prompt_cache=ref, max_tokens=12, prefill_step_size=16
+            )
+        ]
     assert got == want
     assert cache[0].offset == ref[0].offset >= 30 + 11
     assert cache[0].calibrated == ref[0].calibrated
@@ -193,8 +217,12 @@ def test_factory_layer_types_and_generation(name, monkeypatch):
     if name == "gemma3_text":
         assert {RotatingKVCache, KVCache} <= set(base_types)
     prompt = _tokens(40, seed=5)
-    toks = [t for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=6,
-                                         prefill_step_size=24)]
+    toks = [
+        t
+        for t, _ in generate_step(
+            prompt, model, prompt_cache=cache, max_tokens=6, prefill_step_size=24
+        )
+    ]
     assert len(toks) == 6
     assert {c.offset for c in cache if isinstance(c, TurboQuantKVCache)} == {46}  # one step ahead
     # Every model call reached the compressed attention of every compressed layer:
@@ -235,20 +263,40 @@ def test_speculative_decoding_with_compressed_caches(llama):
     # speculative decoding calibrate on the same tokens and queries.
     for cfg in (dict(), dict(fp16_sink_tokens=2, fp16_recent_tokens=8)):
         plain = make_prompt_cache(llama, "tq4-nowindow", calibration_tokens=8, **cfg)
-        want = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
-                                                  prompt_cache=plain)]
-        cache = (make_prompt_cache(llama, "tq4-nowindow", calibration_tokens=8, **cfg)
-                 + make_prompt_cache(draft, "tq4-nowindow", calibration_tokens=8, **cfg))
-        responses = list(stream_generate(llama, tokenizer, prompt, max_tokens=10,
-                                         draft_model=draft, num_draft_tokens=3,
-                                         prompt_cache=cache))
+        want = [
+            r.token
+            for r in stream_generate(llama, tokenizer, prompt, max_tokens=10, prompt_cache=plain)
+        ]
+        cache = make_prompt_cache(
+            llama, "tq4-nowindow", calibration_tokens=8, **cfg
+        ) + make_prompt_cache(draft, "tq4-nowindow", calibration_tokens=8, **cfg)
+        responses = list(
+            stream_generate(
+                llama,
+                tokenizer,
+                prompt,
+                max_tokens=10,
+                draft_model=draft,
+                num_draft_tokens=3,
+                prompt_cache=cache,
+            )
+        )
         got = [r.token for r in responses]
         kw = preset_kwargs("tq4-nowindow", calibration_tokens=8, **cfg)
         ref = reference_caches(llama, 4, 4, **kw) + reference_caches(draft, 4, 4, **kw)
         with route_reference_attention():
-            want_ref = [r.token for r in stream_generate(llama, tokenizer, prompt, max_tokens=10,
-                                                          draft_model=draft, num_draft_tokens=3,
-                                                          prompt_cache=ref)]
+            want_ref = [
+                r.token
+                for r in stream_generate(
+                    llama,
+                    tokenizer,
+                    prompt,
+                    max_tokens=10,
+                    draft_model=draft,
+                    num_draft_tokens=3,
+                    prompt_cache=ref,
+                )
+            ]
         assert got == want_ref
         # Verification sees what decoding sees (with a window too: each query of the
         # block sees the cache as a single-token step at its position would).
@@ -292,9 +340,14 @@ def test_speculative_decoding_is_lossless(llama3, preset):
     want = _greedy(llama3, preset, prompt, 40)
     for draft in (llama3, build_model("llama", seed=11)):
         cache = make_prompt_cache(llama3, preset, seed=3) + make_prompt_cache(draft, preset, seed=3)
-        out = list(speculative_generate_step(prompt, llama3, draft, prompt_cache=cache,
-                                             max_tokens=40, num_draft_tokens=3))
-        assert [int(t) for t, _, _ in out] == want, f"draft {'self' if draft is llama3 else 'other'}"
+        out = list(
+            speculative_generate_step(
+                prompt, llama3, draft, prompt_cache=cache, max_tokens=40, num_draft_tokens=3
+            )
+        )
+        assert [int(t) for t, _, _ in out] == want, (
+            f"draft {'self' if draft is llama3 else 'other'}"
+        )
     assert not all(from_draft for _, _, from_draft in out)  # (drafts were rejected)
 
 
@@ -331,16 +384,21 @@ def test_verification_blocks_and_trims_are_lossless(llama3, preset):
     got, want, cache, emitted = _verify_by_hand(llama3, preset, prompt, 40)
     assert got == want
     plain = make_prompt_cache(llama3, preset, seed=3)
-    _run(llama3, plain, mx.array(np.concatenate([np.array(prompt), np.array(emitted[:-1])])),
-         [len(prompt) - 1] + [1] * len(emitted))
+    _run(
+        llama3,
+        plain,
+        mx.array(np.concatenate([np.array(prompt), np.array(emitted[:-1])])),
+        [len(prompt) - 1] + [1] * len(emitted),
+    )
     assert any(isinstance(c, TurboQuantKVCache) for c in cache)
     for a, b in zip(cache, plain):
         assert a.offset == b.offset
         if isinstance(a, TurboQuantKVCache):
             assert a.calibrated == b.calibrated
             if a.key_mean is not None:
-                np.testing.assert_allclose(np.array(a.key_mean), np.array(b.key_mean),
-                                           rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(
+                    np.array(a.key_mean), np.array(b.key_mean), rtol=1e-5, atol=1e-6
+                )
 
 
 def test_verification_blocks_and_trims_are_lossless_on_smollm2():
@@ -432,10 +490,21 @@ def test_prompt_cache_loaded_in_a_fresh_process_without_install_hook(llama, tmp_
     env = dict(os.environ)
     package_root = os.path.dirname(os.path.dirname(turboquant_mlx.__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    args = ["gpu" if device.type == mx.gpu else "cpu", json.dumps(lm_helpers.CONFIGS["llama"]),
-            weights, cache_file, json.dumps(tail), out]
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, *args], env=env,
-                         capture_output=True, text=True, timeout=300)
+    args = [
+        "gpu" if device.type == mx.gpu else "cpu",
+        json.dumps(lm_helpers.CONFIGS["llama"]),
+        weights,
+        cache_file,
+        json.dumps(tail),
+        out,
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = np.load(out)
     for name in ("mlx_lm", "turboquant"):
@@ -485,9 +554,14 @@ def test_padded_head_dim_logits_match_dequantized_reference(cfg):
     cache = make_prompt_cache(model, "tq4")
     assert all(isinstance(c, TurboQuantKVCache) for c in cache)
     cache = shadow_caches(model, seed=3, rollback_tokens=4, **cfg)
-    ref = reference_caches(model, cfg["key_bits"], cfg["value_bits"], seed=3,
-                           fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
-                           **{k: cfg[k] for k in _LEVERS if k in cfg})
+    ref = reference_caches(
+        model,
+        cfg["key_bits"],
+        cfg["value_bits"],
+        seed=3,
+        fp16_sink_tokens=cfg.get("fp16_sink_tokens", 0),
+        **{k: cfg[k] for k in _LEVERS if k in cfg},
+    )
     tokens = _tokens(sum(SCHEDULE))
     got = _run(model, cache, tokens, SCHEDULE)
     for c in cache:
@@ -498,7 +572,9 @@ def test_padded_head_dim_logits_match_dequantized_reference(cfg):
     levers = cfg.get("center", False) or cfg.get("query_aware_keys", False)
     atol = ATOL_LEVERS if levers else ATOL
     for n, g, w in zip(SCHEDULE, got, want):
-        np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}")
+        np.testing.assert_allclose(
+            np.array(g), np.array(w), atol=atol, rtol=0, err_msg=f"chunk {n}"
+        )
 
 
 @pytest.mark.parametrize("head_dim", [81, 288])

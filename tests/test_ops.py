@@ -96,9 +96,7 @@ def test_quantize_append_at_several_offsets_touches_only_its_slots(head_dim, bit
     codes_mx, scales_mx = mx_cache(words, scales)
     for offset, length in appends:
         x = random_tokens(rng, (batch, heads, length, head_dim), spread=False)
-        codes_mx, scales_mx = ops.quantize_append(
-            codes_mx, scales_mx, mx.array(x), c, offset, bits
-        )
+        codes_mx, scales_mx = ops.quantize_append(codes_mx, scales_mx, mx.array(x), c, offset, bits)
         for t in range(length):
             expected_tokens[offset + t] = x[:, :, t]
     got_words, got_scales = np.array(codes_mx), np.array(scales_mx)
@@ -254,18 +252,21 @@ def test_quantize_append_in_place_is_one_node(tmp_path):
     c = mx.array(centroids_np(head_dim, bits))
     signs = Rotation(head_dim, seed=2).kernel_signs
     results = {}
-    for in_place, nodes in ((True, ["QuantizeAppend"]),
-                            (False, ["QuantizeAppendCodes", "QuantizeAppendScales"])):
+    for in_place, nodes in (
+        (True, ["QuantizeAppend"]),
+        (False, ["QuantizeAppendCodes", "QuantizeAppendScales"]),
+    ):
         codes_in, scales_in = mx_cache(words, scales)
         mx.eval(codes_in, scales_in)
-        out = ops.quantize_append(codes_in, scales_in, x, c, 4, bits, rotation_signs=signs,
-                                  mean=mean, in_place=in_place)
-        got = [n for n in graph_nodes(tmp_path / "g.dot", *out)
-               if n.startswith("QuantizeAppend")]
+        out = ops.quantize_append(
+            codes_in, scales_in, x, c, 4, bits, rotation_signs=signs, mean=mean, in_place=in_place
+        )
+        got = [n for n in graph_nodes(tmp_path / "g.dot", *out) if n.startswith("QuantizeAppend")]
         assert sorted(got) == nodes
         mx.eval(*out)
-        results[in_place] = [np.array(o).view(np.uint32 if o.dtype == mx.uint32 else np.uint16)
-                             for o in out]
+        results[in_place] = [
+            np.array(o).view(np.uint32 if o.dtype == mx.uint32 else np.uint16) for o in out
+        ]
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(results[True][0], words)  # something was written
@@ -276,8 +277,9 @@ def _kv_inputs(rng, head_dim=64, key_bits=4, value_bits=3, capacity=12, length=3
     vw, vsc = poisoned_cache(rng, 1, 2, capacity, head_dim, value_bits)
     keys = mx.array(random_tokens(rng, (1, 2, length, head_dim)))
     values = mx.array(random_tokens(rng, (1, 2, length, head_dim)))
-    means = [mx.array(rng.standard_normal((1, 2, 1, head_dim)).astype(np.float32))
-             for _ in range(2)]
+    means = [
+        mx.array(rng.standard_normal((1, 2, 1, head_dim)).astype(np.float32)) for _ in range(2)
+    ]
     cents = [mx.array(centroids_np(head_dim, b)) for b in (key_bits, value_bits)]
     return (kw, ksc, vw, vsc), keys, values, means, cents
 
@@ -295,17 +297,22 @@ def test_quantize_append_kv_matches_two_appends(tmp_path):
     (kw, ksc, vw, vsc), keys, values, (mk, mv), (ck, cv) = _kv_inputs(rng)
     signs = Rotation(64, seed=3).kernel_signs
     want = []
-    for w, sc, x, c, bits, sg, m in ((kw, ksc, keys, ck, 4, signs, mk),
-                                     (vw, vsc, values, cv, 3, None, mv)):
-        want += ops.quantize_append(mx.array(w), mx.array(sc), x, c, 5, bits,
-                                    rotation_signs=sg, mean=m)
+    for w, sc, x, c, bits, sg, m in (
+        (kw, ksc, keys, ck, 4, signs, mk),
+        (vw, vsc, values, cv, 3, None, mv),
+    ):
+        want += ops.quantize_append(
+            mx.array(w), mx.array(sc), x, c, 5, bits, rotation_signs=sg, mean=m
+        )
     held = [mx.array(a) for a in (kw, ksc, vw, vsc)]
     mx.eval(held)
-    got = ops.quantize_append_kv(*held, keys, values, ck, cv, 5, 4, 3,
-                                 key_rotation_signs=signs, key_mean=mk, value_mean=mv)
+    got = ops.quantize_append_kv(
+        *held, keys, values, ck, cv, 5, 4, 3, key_rotation_signs=signs, key_mean=mk, value_mean=mv
+    )
     if ops.has_kernels():
-        labels = [n for n in graph_nodes(tmp_path / "g.dot", *got)
-                  if n.startswith("QuantizeAppend")]
+        labels = [
+            n for n in graph_nodes(tmp_path / "g.dot", *got) if n.startswith("QuantizeAppend")
+        ]
         assert labels == ["QuantizeAppendKV"]
     mx.eval(*got, *want)
     for g, w in zip(got, want):
@@ -403,14 +410,17 @@ def test_write_tokens_kv_in_place_after_its_readers(dtype, tmp_path):
     mx.eval(kb, vb)
     held_k, held_v = kb, vb
     want_k, want_v = np.array(kb.astype(mx.float32)), np.array(vb.astype(mx.float32))
-    tokens = [mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(dtype)
-              for _ in range(16)]
+    tokens = [
+        mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(dtype)
+        for _ in range(16)
+    ]
     mx.eval(tokens)
     readers, wants, reader = [], [], None
     for i in range(8):
         keys, values = tokens[2 * i], tokens[2 * i + 1]
-        kb, vb = ops.write_tokens_kv(kb, vb, keys, values, i % 4,
-                                     after=[] if reader is None else [reader])
+        kb, vb = ops.write_tokens_kv(
+            kb, vb, keys, values, i % 4, after=[] if reader is None else [reader]
+        )
         if i == 0:
             assert graph_nodes(tmp_path / "g.dot", kb).count("WriteTokensKV") == 1
         reader = mx.concatenate([kb, vb], axis=3).astype(mx.float32) * 1.0
@@ -433,8 +443,7 @@ def test_write_tokens_kv_refuses_bad_input():
     x = mx.zeros((1, 2, 3, 64), mx.float16)
     cases = [
         ((kb, kb, x, x.astype(mx.float32), 0), "dtype float32 but the value buffer float16"),
-        ((kb, mx.zeros((1, 3, 8, 64), mx.float16), x, x, 0),
-         "do not match the value buffer"),
+        ((kb, mx.zeros((1, 3, 8, 64), mx.float16), x, x, 0), "do not match the value buffer"),
         ((kb, kb, x, x, 6), "capacity overflow"),
         ((kb, kb, x, x, -2), "offset must be >= 0"),
         ((kb.astype(mx.int32), kb, x, x, 0), "key buffer must be float32, float16 or bfloat16"),
@@ -456,8 +465,9 @@ def test_ring_append_kv_exchanges_slots_in_order(dtype, tmp_path):
     B, H, D, slots, bits = 1, 2, 64, 4, 4
     ring0 = [random_tokens(rng, (B, H, slots, D), spread=False) for _ in range(2)]
     kr, vr = (mx.array(r).astype(dtype) for r in ring0)
-    new = [mx.array(random_tokens(rng, (B, H, 1, D), spread=False)).astype(dtype)
-           for _ in range(16)]
+    new = [
+        mx.array(random_tokens(rng, (B, H, 1, D), spread=False)).astype(dtype) for _ in range(16)
+    ]
     kw, ks = (mx.array(a) for a in poisoned_cache(rng, B, H, 12, D, bits))
     vw, vs = (mx.array(a) for a in poisoned_cache(rng, B, H, 12, D, bits))
     c = mx.array(centroids_np(D, bits))
@@ -469,8 +479,22 @@ def test_ring_append_kv_exchanges_slots_in_order(dtype, tmp_path):
         left_k.append(ring[0][:, :, slot].copy())
         left_v.append(ring[1][:, :, slot].copy())
         kw, ks, vw, vs, kr, vr = ops.ring_append_kv(
-            kw, ks, vw, vs, kr, vr, new[2 * i], new[2 * i + 1], c, c, i, slot, bits, bits,
-            after=[] if reader is None else [reader])
+            kw,
+            ks,
+            vw,
+            vs,
+            kr,
+            vr,
+            new[2 * i],
+            new[2 * i + 1],
+            c,
+            c,
+            i,
+            slot,
+            bits,
+            bits,
+            after=[] if reader is None else [reader],
+        )
         if i == 0 and ops.has_ring_append():
             labels = graph_nodes(tmp_path / "g.dot", kw, kr)
             assert labels.count("RingAppendKV") == 1 and "WriteTokensKV" not in labels
@@ -482,14 +506,17 @@ def test_ring_append_kv_exchanges_slots_in_order(dtype, tmp_path):
     mx.eval(readers, kw, ks, vw, vs)
     for i, (got, want) in enumerate(zip(readers, wants)):
         np.testing.assert_array_equal(to_np(got), want, err_msg=f"exchange {i}")
-    assert_codes_and_scales(np.array(kw)[:, :, :8], np.array(ks)[:, :, :8],
-                            np.stack(left_k, axis=2), bits)
-    assert_codes_and_scales(np.array(vw)[:, :, :8], np.array(vs)[:, :, :8],
-                            np.stack(left_v, axis=2), bits)
+    assert_codes_and_scales(
+        np.array(kw)[:, :, :8], np.array(ks)[:, :, :8], np.stack(left_k, axis=2), bits
+    )
+    assert_codes_and_scales(
+        np.array(vw)[:, :, :8], np.array(vs)[:, :, :8], np.stack(left_v, axis=2), bits
+    )
 
 
-@pytest.mark.cpu_only(reason="the CPU kernel refuses NaN/Inf tokens with an error; a GPU "
-                      "kernel cannot raise")
+@pytest.mark.cpu_only(
+    reason="the CPU kernel refuses NaN/Inf tokens with an error; a GPU kernel cannot raise"
+)
 @pytest.mark.parametrize("bad", ("nan", "huge"))
 def test_ring_append_kv_refuses_a_bad_leaving_token_without_writing(bad):
     # A token leaving the ring that cannot be quantized raises as quantize_append does,
@@ -510,8 +537,12 @@ def test_ring_append_kv_refuses_a_bad_leaving_token_without_writing(bad):
     out = ops.ring_append_kv(kw, ks, vw, vs, k_ring, v_ring, new, new, c, c, 3, 2, bits, bits)
     with pytest.raises(ValueError) as excinfo:
         mx.eval(*out)
-    assert_op_error(excinfo, "ring_append_kv", "key ring slot 2 of head 1",
-                    *(("non-finite",) if bad == "nan" else ("norm",)))
+    assert_op_error(
+        excinfo,
+        "ring_append_kv",
+        "key ring slot 2 of head 1",
+        *(("non-finite",) if bad == "nan" else ("norm",)),
+    )
     for a, b in zip((k_ring, v_ring), before):
         np.testing.assert_array_equal(np.array(a), b)  # (NaN compares equal here)
     # the keys' part, whose token is bad, wrote nothing
@@ -527,9 +558,22 @@ def test_ring_append_kv_refuses_bad_input():
     ring = mx.zeros((1, 2, 6, 64), mx.float16)
     x = mx.zeros((1, 2, 1, 64), mx.float16)
     c = mx.array(centroids_np(64, 4))
-    good = dict(k_codes=kw, k_scales=ks, v_codes=kw, v_scales=ks, k_ring=ring, v_ring=ring,
-                keys=x, values=x, k_centroids=c, v_centroids=c, offset=0, slot=0,
-                key_bits=4, value_bits=4)
+    good = dict(
+        k_codes=kw,
+        k_scales=ks,
+        v_codes=kw,
+        v_scales=ks,
+        k_ring=ring,
+        v_ring=ring,
+        keys=x,
+        values=x,
+        k_centroids=c,
+        v_centroids=c,
+        offset=0,
+        slot=0,
+        key_bits=4,
+        value_bits=4,
+    )
     cases = [
         (dict(slot=6), "capacity overflow"),
         (dict(offset=8), "capacity overflow"),
@@ -633,14 +677,24 @@ def test_dequantize_into_half_precision_slots(bits, dtype):
     codes_mx, scales_mx = mx_cache(reference.pack(codes, bits), scales)
     for start, length, before, after in ((0, capacity, 0, 0), (5, 7, 3, 11), (2, 0, 4, 1)):
         for fn in (ops.dequantize, fallback.dequantize):
-            got = fn(codes_mx, scales_mx, mx.array(c), bits, start, length, dtype=dtype,
-                     before=before, after=after)
+            got = fn(
+                codes_mx,
+                scales_mx,
+                mx.array(c),
+                bits,
+                start,
+                length,
+                dtype=dtype,
+                before=before,
+                after=after,
+            )
             assert got.dtype == dtype
             assert got.shape == (batch, heads, before + length + after, head_dim)
             got = np.array(got.astype(mx.float32))
             np.testing.assert_array_equal(
                 got[:, :, before : before + length],
-                np.array(expected[:, :, start : start + length].astype(mx.float32)))
+                np.array(expected[:, :, start : start + length].astype(mx.float32)),
+            )
             assert not got[:, :, :before].any() and not got[:, :, before + length :].any()
 
 
@@ -655,30 +709,52 @@ def test_dequantize_copies_rows_around_the_tokens_into_a_reused_buffer(bits, dty
     codes = rng.integers(0, 1 << bits, (batch, heads, capacity, head_dim))
     scales = rng.uniform(0.0, 40.0, (batch, heads, capacity)).astype(np.float16)
     c = centroids_np(head_dim, bits)
-    decoded = np.array(mx.array(reference.dequantize(codes, scales, c)).astype(dtype)
-                       .astype(mx.float32))
+    decoded = np.array(
+        mx.array(reference.dequantize(codes, scales, c)).astype(dtype).astype(mx.float32)
+    )
     codes_mx, scales_mx = mx_cache(reference.pack(codes, bits), scales)
     into = mx.full((batch * heads * 40 * head_dim + 7,), 3.0, dtype)
     mx.eval(into)
     for start, length, nb, na in ((0, capacity, 4, 9), (5, 7, 0, 3), (2, 6, 5, 0), (1, 0, 2, 2)):
         prefix = mx.array(rng.standard_normal((batch, heads, nb, head_dim))).astype(dtype)
         suffix = mx.array(rng.standard_normal((batch, heads, na, head_dim))).astype(dtype)
-        want = np.concatenate([np.array(prefix.astype(mx.float32)),
-                               decoded[:, :, start : start + length],
-                               np.array(suffix.astype(mx.float32))], axis=2)
+        want = np.concatenate(
+            [
+                np.array(prefix.astype(mx.float32)),
+                decoded[:, :, start : start + length],
+                np.array(suffix.astype(mx.float32)),
+            ],
+            axis=2,
+        )
         rows = dict(prefix=prefix if nb else None, suffix=suffix if na else None)
-        for got in (ops.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length,
-                                   dtype=dtype, before=nb, after=na, into=into, **rows),
-                    fallback.dequantize(codes_mx, scales_mx, mx.array(c), bits, start, length,
-                                        dtype, nb, na, **rows)):
+        for got in (
+            ops.dequantize(
+                codes_mx,
+                scales_mx,
+                mx.array(c),
+                bits,
+                start,
+                length,
+                dtype=dtype,
+                before=nb,
+                after=na,
+                into=into,
+                **rows,
+            ),
+            fallback.dequantize(
+                codes_mx, scales_mx, mx.array(c), bits, start, length, dtype, nb, na, **rows
+            ),
+        ):
             assert got.dtype == dtype and got.shape == want.shape
             np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
     # The result is a view of the buffer: the buffer holds it at its start.
-    got = ops.dequantize(codes_mx, scales_mx, mx.array(c), bits, 0, capacity, dtype=dtype,
-                         into=into)
+    got = ops.dequantize(
+        codes_mx, scales_mx, mx.array(c), bits, 0, capacity, dtype=dtype, into=into
+    )
     mx.eval(got)
-    np.testing.assert_array_equal(np.array(into[: got.size].astype(mx.float32)),
-                                  np.array(got.astype(mx.float32)).reshape(-1))
+    np.testing.assert_array_equal(
+        np.array(into[: got.size].astype(mx.float32)), np.array(got.astype(mx.float32)).reshape(-1)
+    )
 
 
 def test_dequantize_refuses_bad_output_arguments():
@@ -695,9 +771,13 @@ def test_dequantize_refuses_bad_output_arguments():
     rows = mx.zeros((1, 2, 3, 64), mx.float32)
     with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] prefix must have shape"):
         ops.dequantize(*args, prefix=mx.zeros((1, 2, 3, 32)))
-    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] suffix must have the output"):
+    with pytest.raises(
+        ValueError, match=r"\[turboquant_mlx.dequantize\] suffix must have the output"
+    ):
         ops.dequantize(*args, dtype=mx.float16, suffix=rows)
-    with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] prefix has 3 tokens but 2"):
+    with pytest.raises(
+        ValueError, match=r"\[turboquant_mlx.dequantize\] prefix has 3 tokens but 2"
+    ):
         ops.dequantize(*args, before=2, prefix=rows)
     with pytest.raises(ValueError, match=r"\[turboquant_mlx.dequantize\] into must be a float32"):
         ops.dequantize(*args, into=mx.zeros((2 * 8 * 64 - 1,)))
@@ -816,8 +896,10 @@ def run_attention(
             (rng.standard_normal((batch, kv_heads, tail, head_dim)) * g).astype(np.float32)
             for g in (q_gain, 1.0)
         )
-    tails = dict(tail_k=None if tail_k is None else mx.array(tail_k),
-                 tail_v=None if tail_v is None else mx.array(tail_v))
+    tails = dict(
+        tail_k=None if tail_k is None else mx.array(tail_k),
+        tail_v=None if tail_v is None else mx.array(tail_v),
+    )
     out, lse = (ops.compressed_attention if impl == "kernel" else fallback.compressed_attention)(
         *args, **tails
     )
@@ -826,8 +908,15 @@ def run_attention(
     # The reference sees exactly the values the op sees: queries and masks after
     # their (exact) conversion to float32, keys and values dequantized from the codes.
     ref_out, ref_lse = reference.attention(
-        to_np(q), k_hat, v_hat, scale, kv_len, causal, None if m is None else to_np(m),
-        tail_k, tail_v,
+        to_np(q),
+        k_hat,
+        v_hat,
+        scale,
+        kv_len,
+        causal,
+        None if m is None else to_np(m),
+        tail_k,
+        tail_v,
     )
     if tail:
         v_hat = np.concatenate([v_hat[:, :, :kv_len], tail_v], axis=2)
@@ -1015,11 +1104,16 @@ def test_attention_fully_masked_rows(variant):
     assert_attention_close(np.array(f_out), np.array(f_lse), ref_out, ref_lse, v_hat)
 
 
-@pytest.mark.parametrize("impl", (
-    pytest.param("kernel", marks=pytest.mark.cpu_only(
-        reason="the GPU kernels are not held to NaN propagation")),
-    "fallback",
-))
+@pytest.mark.parametrize(
+    "impl",
+    (
+        pytest.param(
+            "kernel",
+            marks=pytest.mark.cpu_only(reason="the GPU kernels are not held to NaN propagation"),
+        ),
+        "fallback",
+    ),
+)
 @pytest.mark.parametrize("bad", ("query", "tail"))
 def test_attention_propagates_nan(bad, impl):
     # A NaN score is not a hidden key: a query with one NaN coordinate makes its row of
@@ -1036,9 +1130,19 @@ def test_attention_propagates_nan(bad, impl):
     keep[0, 3, 0] = False
 
     def attend(q, tail):
-        args = (mx.array(q), *mx_cache(k_words, k_scales), *mx_cache(v_words, v_scales),
-                mx.array(centroids_np(head_dim, 4)), mx.array(centroids_np(head_dim, 3)),
-                kv_len, 0.125, 4, 3, True, mx.array(keep))
+        args = (
+            mx.array(q),
+            *mx_cache(k_words, k_scales),
+            *mx_cache(v_words, v_scales),
+            mx.array(centroids_np(head_dim, 4)),
+            mx.array(centroids_np(head_dim, 3)),
+            kv_len,
+            0.125,
+            4,
+            3,
+            True,
+            mx.array(keep),
+        )
         tail_k, tail_v = (None, None) if tail is None else (mx.array(t) for t in tail)
         if impl == "kernel":
             out, lse = ops.compressed_attention(*args, tail_k=tail_k, tail_v=tail_v)
@@ -1086,8 +1190,10 @@ def test_attention_with_tail(kwargs, impl):
     rng = np.random.default_rng(kwargs["tail"] * 7 + kwargs.get("q_len", 1))
     result = run_attention(rng, impl=impl, q_gain=2.0, **kwargs)
     rtol = attention_rtol(
-        kwargs.get("q_dtype", mx.float32), kwargs.get("head_dim", 64),
-        kwargs.get("key_bits", 4), kwargs.get("value_bits", 4),
+        kwargs.get("q_dtype", mx.float32),
+        kwargs.get("head_dim", 64),
+        kwargs.get("key_bits", 4),
+        kwargs.get("value_bits", 4),
     )
     assert_attention_close(*result, rtol=max(rtol, 1e-5))
 
@@ -1108,16 +1214,31 @@ def test_attention_out_dtype_is_the_float32_out_rounded(dtype, model_space, tmp_
     k_words, k_scales, _ = reference_cache(rng, B, Hkv, 320, kv_len, D, 4)
     v_words, v_scales, _ = reference_cache(rng, B, Hkv, 320, kv_len, D, 4)
     q = mx.array(rng.standard_normal((B, Hkv * group, L, D)).astype(np.float32)).astype(dtype)
-    args = (q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
-            mx.array(centroids_np(D, 4)), mx.array(centroids_np(D, 4)), kv_len, 0.09, 4, 4,
-            False)
+    args = (
+        q,
+        mx.array(k_words),
+        mx.array(k_scales),
+        mx.array(v_words),
+        mx.array(v_scales),
+        mx.array(centroids_np(D, 4)),
+        mx.array(centroids_np(D, 4)),
+        kv_len,
+        0.09,
+        4,
+        4,
+        False,
+    )
     kw = {}
     if model_space:
         tail = mx.array(rng.standard_normal((B, Hkv, 5, D)).astype(np.float32)).astype(dtype)
         mean = mx.array(0.1 * rng.standard_normal((B, Hkv, 1, D)).astype(np.float32))
-        kw = dict(tail_k=tail, tail_v=tail * 0.5,
-                  rotation_signs=Rotation(D, seed=1).kernel_signs,
-                  key_mean=mean, value_mean=-mean)
+        kw = dict(
+            tail_k=tail,
+            tail_v=tail * 0.5,
+            rotation_signs=Rotation(D, seed=1).kernel_signs,
+            key_mean=mean,
+            value_mean=-mean,
+        )
     out32, lse32 = ops.compressed_attention(*args, **kw)
     out, lse = ops.compressed_attention(*args, out_dtype=dtype, **kw)
     assert out.dtype == dtype and lse.dtype == mx.float32
@@ -1182,11 +1303,27 @@ def test_attention_reads_strided_inputs():
     (
         dict(group=1, q_len=1, kv_len=1, head_dim=64, key_bits=2, value_bits=2),
         dict(group=4, q_len=5, kv_len=127, capacity=140, head_dim=96, key_bits=3, value_bits=4),
-        dict(group=8, q_len=8, kv_len=300, head_dim=256, key_bits=4, value_bits=2,
-             causal=False, mask="bool:B,Hq,L,kv"),
+        dict(
+            group=8,
+            q_len=8,
+            kv_len=300,
+            head_dim=256,
+            key_bits=4,
+            value_bits=2,
+            causal=False,
+            mask="bool:B,Hq,L,kv",
+        ),
         dict(group=2, q_len=3, kv_len=2049, head_dim=128, mask="add:L,kv", q_dtype=mx.bfloat16),
-        dict(group=4, q_len=2, kv_len=50, head_dim=128, key_bits=4, value_bits=3,
-             mask="bool:1,Hq,L,1", q_dtype=mx.float16),
+        dict(
+            group=4,
+            q_len=2,
+            kv_len=50,
+            head_dim=128,
+            key_bits=4,
+            value_bits=3,
+            mask="bool:1,Hq,L,1",
+            q_dtype=mx.float16,
+        ),
     ),
 )
 def test_fallback_attention_matches_kernel(kwargs):
@@ -1196,8 +1333,10 @@ def test_fallback_attention_matches_kernel(kwargs):
     fb = run_attention(np.random.default_rng(99), impl="fallback", **kwargs)
     np.testing.assert_array_equal(kernel[2], fb[2])  # same inputs indeed
     rtol = attention_rtol(
-        kwargs.get("q_dtype", mx.float32), kwargs.get("head_dim", 64),
-        kwargs.get("key_bits", 4), kwargs.get("value_bits", 4),
+        kwargs.get("q_dtype", mx.float32),
+        kwargs.get("head_dim", 64),
+        kwargs.get("key_bits", 4),
+        kwargs.get("value_bits", 4),
     )
     assert_attention_close(*kernel, rtol=rtol)
     assert_attention_close(*fb)
@@ -1299,28 +1438,35 @@ QA, ATTN, DQ = "quantize_append", "compressed_attention", "dequantize"
 
 BAD_INPUT = [
     # quantize_append
-    *(case(QA, qa_args(bits=b), ("bits", f"got {b}"), f"qa-bits{b}")
-      for b in (1, 5, 8)),
+    *(case(QA, qa_args(bits=b), ("bits", f"got {b}"), f"qa-bits{b}") for b in (1, 5, 8)),
     *(case(QA, qa_args(head_dim=d), (f"got {d}",), f"qa-head_dim{d}") for d in (48, 80, 512)),
     case(QA, qa_args(x=mx.ones((2, 2, 3, 64), mx.int32)), ("x", "int32"), "qa-x-int32"),
-    case(QA, qa_args(codes=mx.zeros((2, 2, 8, 8), mx.uint8)), ("codes", "uint8"),
-         "qa-codes-uint8"),
-    case(QA, qa_args(scales=mx.zeros((2, 2, 8), mx.float32)), ("scales", "float32"),
-         "qa-scales-float32"),
-    case(QA, qa_args(centroids=mx.arange(16, dtype=mx.int32)), ("centroids", "int32"),
-         "qa-centroids-int32"),
-    case(QA, qa_args(x=mx.ones((3, 2, 3, 64))), ("(3, 2, 3, 64)", "(2, 2, 8, 8)"),
-         "qa-batch"),
+    case(QA, qa_args(codes=mx.zeros((2, 2, 8, 8), mx.uint8)), ("codes", "uint8"), "qa-codes-uint8"),
+    case(
+        QA,
+        qa_args(scales=mx.zeros((2, 2, 8), mx.float32)),
+        ("scales", "float32"),
+        "qa-scales-float32",
+    ),
+    case(
+        QA,
+        qa_args(centroids=mx.arange(16, dtype=mx.int32)),
+        ("centroids", "int32"),
+        "qa-centroids-int32",
+    ),
+    case(QA, qa_args(x=mx.ones((3, 2, 3, 64))), ("(3, 2, 3, 64)", "(2, 2, 8, 8)"), "qa-batch"),
     case(QA, qa_args(x=mx.ones((2, 5, 3, 64))), ("(2, 5, 3, 64)",), "qa-heads"),
-    case(QA, qa_args(x=mx.ones((2, 2, 3, 128))), ("head dim 128", "64"),
-         "qa-words-vs-head_dim"),
+    case(QA, qa_args(x=mx.ones((2, 2, 3, 128))), ("head dim 128", "64"), "qa-words-vs-head_dim"),
     case(QA, qa_args(x=mx.ones((2, 3, 64))), ("(2, 3, 64)",), "qa-x-3d"),
     case(QA, qa_args(scales=mx.zeros((2, 2, 9), mx.float16)), ("(2, 2, 9)",), "qa-scales-shape"),
     case(QA, qa_args(centroids=mx.zeros((8,))), ("(8,)", "16"), "qa-centroid-count"),
     case(QA, qa_args(offset=-1), ("got -1",), "qa-offset-negative"),
     case(QA, qa_args(offset=6), ("3 tokens at offset 6", "capacity 8"), "qa-capacity-overflow"),
     # compressed_attention
-    *(case(ATTN, attn_args(key_bits=b), ("bits", f"got {b}"), f"attn-key_bits{b}") for b in (1, 5, 8)),
+    *(
+        case(ATTN, attn_args(key_bits=b), ("bits", f"got {b}"), f"attn-key_bits{b}")
+        for b in (1, 5, 8)
+    ),
     case(ATTN, attn_args(value_bits=5), ("bits", "got 5"), "attn-value_bits5"),
     *(
         case(
@@ -1337,66 +1483,148 @@ BAD_INPUT = [
         )
         for d in (48, 80, 512)
     ),
-    case(ATTN, attn_args(q=mx.ones((2, 4, 2, 64), mx.int32)), ("queries", "int32"),
-         "attn-q-int32"),
-    case(ATTN, attn_args(k_codes=mx.zeros((2, 2, 16, 8), mx.uint8)), ("key codes", "uint8"),
-         "attn-codes-uint8"),
-    case(ATTN, attn_args(v_scales=mx.zeros((2, 2, 16), mx.float32)),
-         ("value scales", "float32"), "attn-scales-float32"),
+    case(ATTN, attn_args(q=mx.ones((2, 4, 2, 64), mx.int32)), ("queries", "int32"), "attn-q-int32"),
+    case(
+        ATTN,
+        attn_args(k_codes=mx.zeros((2, 2, 16, 8), mx.uint8)),
+        ("key codes", "uint8"),
+        "attn-codes-uint8",
+    ),
+    case(
+        ATTN,
+        attn_args(v_scales=mx.zeros((2, 2, 16), mx.float32)),
+        ("value scales", "float32"),
+        "attn-scales-float32",
+    ),
     case(ATTN, attn_args(mask=mx.ones((2, 10), mx.int32)), ("mask", "int32"), "attn-mask-int32"),
     case(ATTN, attn_args(q=mx.ones((3, 4, 2, 64))), ("batch 3", "2"), "attn-batch"),
-    case(ATTN, attn_args(v_codes=mx.zeros((2, 4, 16, 6), mx.uint32),
-                         v_scales=mx.zeros((2, 4, 16), mx.float16)),
-         ("2 vs 4",), "attn-kv-heads"),
-    case(ATTN, attn_args(q=mx.ones((2, 6, 2, 64)),
-                         k_codes=mx.zeros((2, 4, 16, 8), mx.uint32),
-                         k_scales=mx.zeros((2, 4, 16), mx.float16),
-                         v_codes=mx.zeros((2, 4, 16, 6), mx.uint32),
-                         v_scales=mx.zeros((2, 4, 16), mx.float16)),
-         ("(6)", "(4)"), "attn-gqa-ratio"),
-    case(ATTN, attn_args(q=mx.ones((2, 4, 2, 128))), ("head dim 128", "64/64"),
-         "attn-words-vs-head_dim"),
-    case(ATTN, attn_args(k_scales=mx.zeros((2, 2, 15), mx.float16)), ("(2, 2, 15)",),
-         "attn-scales-shape"),
+    case(
+        ATTN,
+        attn_args(
+            v_codes=mx.zeros((2, 4, 16, 6), mx.uint32), v_scales=mx.zeros((2, 4, 16), mx.float16)
+        ),
+        ("2 vs 4",),
+        "attn-kv-heads",
+    ),
+    case(
+        ATTN,
+        attn_args(
+            q=mx.ones((2, 6, 2, 64)),
+            k_codes=mx.zeros((2, 4, 16, 8), mx.uint32),
+            k_scales=mx.zeros((2, 4, 16), mx.float16),
+            v_codes=mx.zeros((2, 4, 16, 6), mx.uint32),
+            v_scales=mx.zeros((2, 4, 16), mx.float16),
+        ),
+        ("(6)", "(4)"),
+        "attn-gqa-ratio",
+    ),
+    case(
+        ATTN,
+        attn_args(q=mx.ones((2, 4, 2, 128))),
+        ("head dim 128", "64/64"),
+        "attn-words-vs-head_dim",
+    ),
+    case(
+        ATTN,
+        attn_args(k_scales=mx.zeros((2, 2, 15), mx.float16)),
+        ("(2, 2, 15)",),
+        "attn-scales-shape",
+    ),
     case(ATTN, attn_args(v_centroids=mx.zeros((16,))), ("(16,)", "(8,)"), "attn-centroid-count"),
     case(ATTN, attn_args(kv_len=17), ("got 17", "capacity 16"), "attn-kv_len-over-capacity"),
     case(ATTN, attn_args(kv_len=1), ("got 1", "query length 2"), "attn-kv_len-below-q_len"),
     case(ATTN, attn_args(q=mx.ones((2, 4, 0, 64))), ("got 0",), "attn-q_len0"),
     case(ATTN, attn_args(q=mx.ones((2, 4, 9, 64))), ("got 9",), "attn-q_len9"),
-    case(ATTN, attn_args(mask=mx.ones((2, 11), mx.bool_)), ("(2, 11)", "(2, 4, 2, 10)"),
-         "attn-mask-kv"),
-    case(ATTN, attn_args(mask=mx.ones((3, 4, 2, 10), mx.bool_)), ("(3, 4, 2, 10)",),
-         "attn-mask-batch"),
-    case(ATTN, attn_args(mask=mx.ones((1, 2, 4, 2, 10), mx.bool_)), ("(1, 2, 4, 2, 10)",),
-         "attn-mask-5d"),
-    *(case(ATTN, attn_args(scale=s), (f"got {text}",), f"attn-scale{text}")
-      for s, text in ((0.0, "0"), (-0.5, "-0.5"), (float("nan"), "nan"), (float("inf"), "inf"))),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64))), ("tail_k and tail_v",),
-         "attn-tail-k-only"),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64)), tail_v=mx.ones((2, 2, 4, 64))),
-         ("(2, 2, 3, 64)", "(2, 2, 4, 64)"), "attn-tail-length-mismatch"),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 4, 3, 64)), tail_v=mx.ones((2, 4, 3, 64))),
-         ("(2, 4, 3, 64)", "(2, 2, 3, 64)"), "attn-tail-heads"),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 32)), tail_v=mx.ones((2, 2, 3, 32))),
-         ("(2, 2, 3, 32)",), "attn-tail-head-dim"),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 257, 64)), tail_v=mx.ones((2, 2, 257, 64))),
-         ("at most 256", "got 257"), "attn-tail-too-long"),
-    case(ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64), mx.int32),
-                         tail_v=mx.ones((2, 2, 3, 64), mx.int32)), ("tail", "int32"),
-         "attn-tail-int32"),
+    case(
+        ATTN,
+        attn_args(mask=mx.ones((2, 11), mx.bool_)),
+        ("(2, 11)", "(2, 4, 2, 10)"),
+        "attn-mask-kv",
+    ),
+    case(
+        ATTN,
+        attn_args(mask=mx.ones((3, 4, 2, 10), mx.bool_)),
+        ("(3, 4, 2, 10)",),
+        "attn-mask-batch",
+    ),
+    case(
+        ATTN,
+        attn_args(mask=mx.ones((1, 2, 4, 2, 10), mx.bool_)),
+        ("(1, 2, 4, 2, 10)",),
+        "attn-mask-5d",
+    ),
+    *(
+        case(ATTN, attn_args(scale=s), (f"got {text}",), f"attn-scale{text}")
+        for s, text in ((0.0, "0"), (-0.5, "-0.5"), (float("nan"), "nan"), (float("inf"), "inf"))
+    ),
+    case(
+        ATTN, attn_args(tail_k=mx.ones((2, 2, 3, 64))), ("tail_k and tail_v",), "attn-tail-k-only"
+    ),
+    case(
+        ATTN,
+        attn_args(tail_k=mx.ones((2, 2, 3, 64)), tail_v=mx.ones((2, 2, 4, 64))),
+        ("(2, 2, 3, 64)", "(2, 2, 4, 64)"),
+        "attn-tail-length-mismatch",
+    ),
+    case(
+        ATTN,
+        attn_args(tail_k=mx.ones((2, 4, 3, 64)), tail_v=mx.ones((2, 4, 3, 64))),
+        ("(2, 4, 3, 64)", "(2, 2, 3, 64)"),
+        "attn-tail-heads",
+    ),
+    case(
+        ATTN,
+        attn_args(tail_k=mx.ones((2, 2, 3, 32)), tail_v=mx.ones((2, 2, 3, 32))),
+        ("(2, 2, 3, 32)",),
+        "attn-tail-head-dim",
+    ),
+    case(
+        ATTN,
+        attn_args(tail_k=mx.ones((2, 2, 257, 64)), tail_v=mx.ones((2, 2, 257, 64))),
+        ("at most 256", "got 257"),
+        "attn-tail-too-long",
+    ),
+    case(
+        ATTN,
+        attn_args(tail_k=mx.ones((2, 2, 3, 64), mx.int32), tail_v=mx.ones((2, 2, 3, 64), mx.int32)),
+        ("tail", "int32"),
+        "attn-tail-int32",
+    ),
     # dequantize
-    *(case(DQ, dq_args(bits=b, codes=mx.zeros((2, 2, 8, 2 * b), mx.uint32)),
-           ("bits", f"got {b}"), f"dq-bits{b}") for b in (1, 5, 8)),
-    *(case(DQ, dq_args(codes=mx.zeros((2, 2, 8, d // 16), mx.uint32)), (f"got {d}",),
-           f"dq-head_dim{d}") for d in (48, 80, 512)),
-    case(DQ, dq_args(codes=mx.zeros((2, 2, 8, 4), mx.uint8)), ("codes", "uint8"),
-         "dq-codes-uint8"),
-    case(DQ, dq_args(scales=mx.zeros((2, 2, 8), mx.float32)), ("scales", "float32"),
-         "dq-scales-float32"),
+    *(
+        case(
+            DQ,
+            dq_args(bits=b, codes=mx.zeros((2, 2, 8, 2 * b), mx.uint32)),
+            ("bits", f"got {b}"),
+            f"dq-bits{b}",
+        )
+        for b in (1, 5, 8)
+    ),
+    *(
+        case(
+            DQ,
+            dq_args(codes=mx.zeros((2, 2, 8, d // 16), mx.uint32)),
+            (f"got {d}",),
+            f"dq-head_dim{d}",
+        )
+        for d in (48, 80, 512)
+    ),
+    case(DQ, dq_args(codes=mx.zeros((2, 2, 8, 4), mx.uint8)), ("codes", "uint8"), "dq-codes-uint8"),
+    case(
+        DQ,
+        dq_args(scales=mx.zeros((2, 2, 8), mx.float32)),
+        ("scales", "float32"),
+        "dq-scales-float32",
+    ),
     case(DQ, dq_args(scales=mx.zeros((1, 2, 8), mx.float16)), ("(1, 2, 8)",), "dq-scales-batch"),
-    case(DQ, dq_args(bits=3, codes=mx.zeros((2, 2, 8, 4), mx.uint32),
-                     centroids=mx.array(centroids_np(64, 3))),
-         ("4 words",), "dq-words-vs-bits"),
+    case(
+        DQ,
+        dq_args(
+            bits=3, codes=mx.zeros((2, 2, 8, 4), mx.uint32), centroids=mx.array(centroids_np(64, 3))
+        ),
+        ("4 words",),
+        "dq-words-vs-bits",
+    ),
     case(DQ, dq_args(centroids=mx.zeros((8,))), ("(8,)", "(4,)"), "dq-centroid-count"),
     case(DQ, dq_args(start=-1, length=2), ("[-1, 1)",), "dq-start-negative"),
     case(DQ, dq_args(start=5, length=4), ("[5, 9)", "capacity 8"), "dq-past-capacity"),
@@ -1411,8 +1639,10 @@ def test_invalid_input_is_refused(op, kwargs, needles):
     assert_op_error(excinfo, op, *needles)
 
 
-@pytest.mark.cpu_only(reason="the CPU kernel refuses NaN/Inf tokens and overflowing "
-                      "scales with an error; a GPU kernel cannot raise")
+@pytest.mark.cpu_only(
+    reason="the CPU kernel refuses NaN/Inf tokens and overflowing "
+    "scales with an error; a GPU kernel cannot raise"
+)
 @pytest.mark.parametrize("bad", ("nan", "inf", "-inf", "huge"))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_quantize_append_refuses_bad_tokens_without_writing(dtype, bad):
@@ -1479,8 +1709,10 @@ def tokens_with_overflowing_scales(kind):
     return x.astype(np.float32), c, bits
 
 
-@pytest.mark.cpu_only(reason="the CPU kernel refuses a scale that overflows float16; a GPU "
-                      "kernel cannot raise and stores its float16 rounding")
+@pytest.mark.cpu_only(
+    reason="the CPU kernel refuses a scale that overflows float16; a GPU "
+    "kernel cannot raise and stores its float16 rounding"
+)
 @pytest.mark.parametrize("kind", ("crafted", "random"))
 def test_quantize_append_never_stores_an_infinite_scale(kind):
     x, c, bits = tokens_with_overflowing_scales(kind)
@@ -1542,8 +1774,10 @@ def every_op_on(stream):
     kc, vc = mx.array(centroids_np(64, 4)), mx.array(centroids_np(64, 3))
 
     def cache():  # fresh buffers for each op: the in-place appends write into them
-        return [*mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 4)),
-                *mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 3))]
+        return [
+            *mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 4)),
+            *mx_cache(*poisoned_cache(rng, 1, 2, 8, 64, 3)),
+        ]
 
     x = mx.array(random_tokens(rng, (1, 2, 2, 64), spread=False))
     dense = np.zeros((1, 2, 8, 64), np.float32)
@@ -1551,14 +1785,18 @@ def every_op_on(stream):
         "has_kernels": [mx.array(ops.has_kernels(stream))],
         "has_ring_append": [mx.array(ops.has_ring_append(stream))],
         "quantize_append": ops.quantize_append(*cache()[:2], x, kc, 0, 4, stream=stream),
-        "quantize_append_kv": ops.quantize_append_kv(*cache(), x, x, kc, vc, 0, 4, 3,
-                                                     stream=stream),
-        "write_tokens_kv": ops.write_tokens_kv(mx.array(dense), mx.array(dense), x, x, 1,
-                                               stream=stream),
-        "ring_append_kv": ops.ring_append_kv(*cache(), mx.array(dense), mx.array(dense), x, x,
-                                             kc, vc, 2, 3, 4, 3, stream=stream),
+        "quantize_append_kv": ops.quantize_append_kv(
+            *cache(), x, x, kc, vc, 0, 4, 3, stream=stream
+        ),
+        "write_tokens_kv": ops.write_tokens_kv(
+            mx.array(dense), mx.array(dense), x, x, 1, stream=stream
+        ),
+        "ring_append_kv": ops.ring_append_kv(
+            *cache(), mx.array(dense), mx.array(dense), x, x, kc, vc, 2, 3, 4, 3, stream=stream
+        ),
         "compressed_attention": ops.compressed_attention(
-            mx.concatenate([x, x], axis=1), *cache(), kc, vc, 4, 0.125, 4, 3, stream=stream),
+            mx.concatenate([x, x], axis=1), *cache(), kc, vc, 4, 0.125, 4, 3, stream=stream
+        ),
         "dequantize": [ops.dequantize(*cache()[:2], kc, 4, 0, 4, stream=stream)],
     }
 
@@ -1572,8 +1810,9 @@ def test_ops_take_every_stream_form(form):
     uint = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
     for name in want:
         for a, b in zip(got[name], want[name]):
-            np.testing.assert_array_equal(np.array(a.view(uint[a.itemsize])),
-                                          np.array(b.view(uint[b.itemsize])), err_msg=name)
+            np.testing.assert_array_equal(
+                np.array(a.view(uint[a.itemsize])), np.array(b.view(uint[b.itemsize])), err_msg=name
+            )
 
 
 @pytest.mark.parametrize("op", ("quantize_append", "compressed_attention", "has_kernels"))
@@ -1582,10 +1821,10 @@ def test_ops_refuse_a_stream_of_another_type(op):
     c = mx.array(centroids_np(64, 4))
     x = mx.zeros((1, 2, 2, 64))
     calls = {
-        "quantize_append": lambda: ops.quantize_append(words, scales, x, c, 0, 4,
-                                                       stream="cpu"),
+        "quantize_append": lambda: ops.quantize_append(words, scales, x, c, 0, 4, stream="cpu"),
         "compressed_attention": lambda: ops.compressed_attention(
-            x, words, scales, words, scales, c, c, 2, 0.125, 4, 4, stream="cpu"),
+            x, words, scales, words, scales, c, c, 2, 0.125, 4, 4, stream="cpu"
+        ),
         "has_kernels": lambda: ops.has_kernels("cpu"),
     }
     with pytest.raises(TypeError) as excinfo:

@@ -47,7 +47,7 @@ def _find_cycle(graph):
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == "open":
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state:
                 cycle = visit(n)
                 if cycle:

@@ -27,9 +27,7 @@ def pack_with_big_integer(codes, bits):
     for i, code in enumerate(codes):
         stream |= int(code) << (i * bits)
     num_words = len(codes) * bits // 32
-    return np.array(
-        [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(num_words)], dtype=np.uint32
-    )
+    return np.array([(stream >> (32 * w)) & 0xFFFFFFFF for w in range(num_words)], dtype=np.uint32)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -51,9 +49,7 @@ def test_pack_unpack_round_trip(head_dim, bits):
         flat_codes = codes.reshape(-1, head_dim)
         flat_words = words.reshape(-1, words.shape[-1])
         for vector_codes, vector_words in zip(flat_codes, flat_words):
-            np.testing.assert_array_equal(
-                vector_words, pack_with_big_integer(vector_codes, bits)
-            )
+            np.testing.assert_array_equal(vector_words, pack_with_big_integer(vector_codes, bits))
 
 
 def test_pack_layout_examples():
@@ -127,9 +123,7 @@ def test_quantize_matches_naive_transcription(bits):
         expected_codes, expected_scale = quantize_one_naively(row, c, bits)
         np.testing.assert_array_equal(row_codes, expected_codes)
         # Summation order may move the float32 norm by an ulp, hence 1 float16 ulp.
-        assert abs(float(row_scale) - float(expected_scale)) <= float(
-            np.spacing(expected_scale)
-        )
+        assert abs(float(row_scale) - float(expected_scale)) <= float(np.spacing(expected_scale))
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -215,9 +209,7 @@ def test_rotation_is_orthogonal(head_dim):
     y = np.array(y)
     np.testing.assert_allclose(y, x.astype(np.float64) @ r.T, atol=1e-5)
     np.testing.assert_allclose(y, reference.rotate(x, r), atol=1e-5)
-    np.testing.assert_allclose(
-        np.array(rotation.inverse(mx.array(y))), x, atol=1e-5
-    )
+    np.testing.assert_allclose(np.array(rotation.inverse(mx.array(y))), x, atol=1e-5)
     np.testing.assert_allclose(
         np.array(rotation.inverse(mx.array(x))), reference.unrotate(x, r), atol=1e-5
     )

@@ -52,8 +52,11 @@ def refused(call, op, *needles, error=ValueError):
 
 def caches(rng):
     """Key and value caches (codes, scales) full of poison, evaluated."""
-    arrays = [mx.array(a) for bits in (KEY_BITS, VALUE_BITS)
-              for a in poisoned_cache(rng, B, H, CAP, D, bits)]
+    arrays = [
+        mx.array(a)
+        for bits in (KEY_BITS, VALUE_BITS)
+        for a in poisoned_cache(rng, B, H, CAP, D, bits)
+    ]
     mx.eval(arrays)
     return arrays
 
@@ -90,14 +93,18 @@ def test_quantize_append_refused_call_writes_nothing(bad, in_place):
     c = mx.array(centroids_np(D, KEY_BITS))
     x = random_tokens(rng, (B, H, 3, D), spread=False)
     value, needles = BAD[bad]
-    refused(lambda: ops.quantize_append(codes, scales, mx.array(with_bad(x, value)), c, 2,
-                                        KEY_BITS, in_place=in_place),
-            "quantize_append", "token 1 of head 1 (batch 0)", *needles)
+    refused(
+        lambda: ops.quantize_append(
+            codes, scales, mx.array(with_bad(x, value)), c, 2, KEY_BITS, in_place=in_place
+        ),
+        "quantize_append",
+        "token 1 of head 1 (batch 0)",
+        *needles,
+    )
     assert_unchanged([codes, scales], before)
     # The same buffers take a valid call.
     got = ops.quantize_append(codes, scales, mx.array(x), c, 2, KEY_BITS, in_place=in_place)
-    assert_codes_and_scales(np.array(got[0])[:, :, 2:5], np.array(got[1])[:, :, 2:5], x,
-                            KEY_BITS)
+    assert_codes_and_scales(np.array(got[0])[:, :, 2:5], np.array(got[1])[:, :, 2:5], x, KEY_BITS)
 
 
 @CPU_REFUSES
@@ -113,12 +120,21 @@ def test_quantize_append_kv_refused_call_writes_neither_tensor(part, bad):
     value, needles = BAD[bad]
     bad_keys = with_bad(keys, value) if part == "key" else keys
     bad_values = with_bad(values, value) if part == "value" else values
-    refused(lambda: ops.quantize_append_kv(*buffers, mx.array(bad_keys), mx.array(bad_values),
-                                           kc, vc, 3, KEY_BITS, VALUE_BITS),
-            "quantize_append_kv", f"{part} token 1 of head 1 (batch 0)", *needles)
+    refused(
+        lambda: ops.quantize_append_kv(
+            *buffers, mx.array(bad_keys), mx.array(bad_values), kc, vc, 3, KEY_BITS, VALUE_BITS
+        ),
+        "quantize_append_kv",
+        f"{part} token 1 of head 1 (batch 0)",
+        *needles,
+    )
     assert_unchanged(buffers, before)
-    got = [np.array(a) for a in ops.quantize_append_kv(
-        *buffers, mx.array(keys), mx.array(values), kc, vc, 3, KEY_BITS, VALUE_BITS)]
+    got = [
+        np.array(a)
+        for a in ops.quantize_append_kv(
+            *buffers, mx.array(keys), mx.array(values), kc, vc, 3, KEY_BITS, VALUE_BITS
+        )
+    ]
     assert_codes_and_scales(got[0][:, :, 3:5], got[1][:, :, 3:5], keys, KEY_BITS)
     assert_codes_and_scales(got[2][:, :, 3:5], got[3][:, :, 3:5], values, VALUE_BITS)
 
@@ -132,30 +148,52 @@ def test_quantize_append_kv_refuses_a_bad_mean_without_writing():
     keys, values = (mx.array(random_tokens(rng, (B, H, 2, D), spread=False)) for _ in range(2))
     mean = np.zeros((B, H, 1, D), np.float32)
     bad_mean = with_bad(mean, np.nan, token=(0, 0, 0), coordinate=7)
-    refused(lambda: ops.quantize_append_kv(*buffers, keys, values, kc, vc, 0, KEY_BITS,
-                                           VALUE_BITS, key_mean=mx.array(mean),
-                                           value_mean=mx.array(bad_mean)),
-            "quantize_append_kv", "value mean has a non-finite value nan at coordinate 7")
+    refused(
+        lambda: ops.quantize_append_kv(
+            *buffers,
+            keys,
+            values,
+            kc,
+            vc,
+            0,
+            KEY_BITS,
+            VALUE_BITS,
+            key_mean=mx.array(mean),
+            value_mean=mx.array(bad_mean),
+        ),
+        "quantize_append_kv",
+        "value mean has a non-finite value nan at coordinate 7",
+    )
     assert_unchanged(buffers, before)
 
 
-@pytest.mark.parametrize("change,needles", [
-    (dict(values=mx.zeros((B, H + 1, 2, D))), ("(1, 3, 2, 64)",)),
-    (dict(values=mx.zeros((B, H, 3, D))), ("same tokens",)),
-    (dict(offset=CAP - 1), ("capacity overflow",)),
-    (dict(value_bits=5), ("bits", "got 5")),
-])
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (dict(values=mx.zeros((B, H + 1, 2, D))), ("(1, 3, 2, 64)",)),
+        (dict(values=mx.zeros((B, H, 3, D))), ("same tokens",)),
+        (dict(offset=CAP - 1), ("capacity overflow",)),
+        (dict(value_bits=5), ("bits", "got 5")),
+    ],
+)
 def test_quantize_append_kv_refuses_bad_arguments_without_writing(change, needles):
     rng = np.random.default_rng(4)
     buffers = caches(rng)
     before = bits_of(buffers)
-    args = dict(k_codes=buffers[0], k_scales=buffers[1], v_codes=buffers[2],
-                v_scales=buffers[3], keys=mx.zeros((B, H, 2, D)), values=mx.zeros((B, H, 2, D)),
-                k_centroids=mx.array(centroids_np(D, KEY_BITS)),
-                v_centroids=mx.array(centroids_np(D, VALUE_BITS)), offset=0,
-                key_bits=KEY_BITS, value_bits=VALUE_BITS)
-    refused(lambda: ops.quantize_append_kv(**{**args, **change}), "quantize_append_kv",
-            *needles)
+    args = dict(
+        k_codes=buffers[0],
+        k_scales=buffers[1],
+        v_codes=buffers[2],
+        v_scales=buffers[3],
+        keys=mx.zeros((B, H, 2, D)),
+        values=mx.zeros((B, H, 2, D)),
+        k_centroids=mx.array(centroids_np(D, KEY_BITS)),
+        v_centroids=mx.array(centroids_np(D, VALUE_BITS)),
+        offset=0,
+        key_bits=KEY_BITS,
+        value_bits=VALUE_BITS,
+    )
+    refused(lambda: ops.quantize_append_kv(**{**args, **change}), "quantize_append_kv", *needles)
     assert_unchanged(buffers, before)
 
 
@@ -171,16 +209,28 @@ def test_fallback_refusals_name_the_op(op, monkeypatch):
     keys = random_tokens(rng, (B, H, 1, D), spread=False)
     values = with_bad(keys, np.nan, token=(0, 1, 0))
     if op == "quantize_append_kv":
+
         def call():
-            return ops.quantize_append_kv(*buffers, mx.array(keys), mx.array(values), kc, vc,
-                                          0, KEY_BITS, VALUE_BITS)
+            return ops.quantize_append_kv(
+                *buffers, mx.array(keys), mx.array(values), kc, vc, 0, KEY_BITS, VALUE_BITS
+            )
     else:
         rings = [mx.array(keys), mx.array(values)]
 
         def call():
-            return ops.ring_append_kv(*buffers, *rings, mx.zeros((B, H, 1, D)),
-                                      mx.zeros((B, H, 1, D)), kc, vc, 0, 0, KEY_BITS,
-                                      VALUE_BITS)
+            return ops.ring_append_kv(
+                *buffers,
+                *rings,
+                mx.zeros((B, H, 1, D)),
+                mx.zeros((B, H, 1, D)),
+                kc,
+                vc,
+                0,
+                0,
+                KEY_BITS,
+                VALUE_BITS,
+            )
+
     refused(call, op, "non-finite")
     assert_unchanged(buffers, before)
 
@@ -190,8 +240,10 @@ def test_fallback_refusals_name_the_op(op, monkeypatch):
 
 
 def dense_buffers(rng, dtype=mx.float16):
-    arrays = [mx.array(rng.standard_normal((B, H, CAP, D)).astype(np.float32)).astype(dtype)
-              for _ in range(2)]
+    arrays = [
+        mx.array(rng.standard_normal((B, H, CAP, D)).astype(np.float32)).astype(dtype)
+        for _ in range(2)
+    ]
     mx.eval(arrays)
     return arrays
 
@@ -210,8 +262,7 @@ def test_write_tokens_kv_refuses_tokens_that_overlap_their_slots():
         (kb[:, :, 2:4], fresh, "of the key buffer"),  # (even onto themselves)
     ]
     for keys, values, needle in cases:
-        refused(lambda: ops.write_tokens_kv(kb, vb, keys, values, 2), "write_tokens_kv",
-                needle)
+        refused(lambda: ops.write_tokens_kv(kb, vb, keys, values, 2), "write_tokens_kv", needle)
         assert_unchanged([kb, vb], before)
     # Views of slots the write leaves alone are fine, and so is a copy.
     want_k, want_v = (np.array(a.astype(mx.float32)) for a in (kb, vb))
@@ -228,8 +279,11 @@ def test_write_tokens_refuses_tokens_that_overlap_their_slots():
     rng = np.random.default_rng(6)
     buffer = dense_buffers(rng, mx.float32)[0]
     before = bits_of([buffer])
-    refused(lambda: _ext.write_tokens(buffer, buffer[:, :, 0:3], 1), "write_tokens",
-            "tokens share memory with the slots [1, 4) of the buffer")
+    refused(
+        lambda: _ext.write_tokens(buffer, buffer[:, :, 0:3], 1),
+        "write_tokens",
+        "tokens share memory with the slots [1, 4) of the buffer",
+    )
     assert_unchanged([buffer], before)
 
 
@@ -238,9 +292,11 @@ def test_write_tokens_kv_refuses_bad_arguments_without_writing():
     kb, vb = dense_buffers(rng)
     before = bits_of([kb, vb])
     x = mx.zeros((B, H, 2, D), mx.float16)
-    for args, needle in [((x, x.astype(mx.float32), 0), "the value buffer float16"),
-                         ((x, mx.zeros((B, H, 2, 32), mx.float16), 0), "value buffer"),
-                         ((x, x, CAP - 1), "capacity overflow")]:
+    for args, needle in [
+        ((x, x.astype(mx.float32), 0), "the value buffer float16"),
+        ((x, mx.zeros((B, H, 2, 32), mx.float16), 0), "value buffer"),
+        ((x, x, CAP - 1), "capacity overflow"),
+    ]:
         refused(lambda: ops.write_tokens_kv(kb, vb, *args), "write_tokens_kv", needle)
         assert_unchanged([kb, vb], before)
 
@@ -253,8 +309,7 @@ def ring_setup(rng, dtype=mx.float32):
     """Caches, rings of 4 slots (float32 tokens as NumPy too), new tokens, centroids."""
     buffers = caches(rng)
     rings_np = [random_tokens(rng, (B, H, 4, D), spread=False) for _ in range(2)]
-    new = [mx.array(random_tokens(rng, (B, H, 1, D), spread=False)).astype(dtype)
-           for _ in range(2)]
+    new = [mx.array(random_tokens(rng, (B, H, 1, D), spread=False)).astype(dtype) for _ in range(2)]
     cents = [mx.array(centroids_np(D, b)) for b in (KEY_BITS, VALUE_BITS)]
     mx.eval(new)
     return buffers, rings_np, new, cents
@@ -286,10 +341,10 @@ def test_ring_append_kv_refused_call_writes_nothing(part, bad):
     rings[i][:, :, 2] = mx.array(good_ring[:, :, 2])
     rings_np[i] = good_ring
     out = [np.array(a) for a in call()]
-    assert_codes_and_scales(out[0][:, :, 5:6], out[1][:, :, 5:6], rings_np[0][:, :, 2:3],
-                            KEY_BITS)
-    assert_codes_and_scales(out[2][:, :, 5:6], out[3][:, :, 5:6], rings_np[1][:, :, 2:3],
-                            VALUE_BITS)
+    assert_codes_and_scales(out[0][:, :, 5:6], out[1][:, :, 5:6], rings_np[0][:, :, 2:3], KEY_BITS)
+    assert_codes_and_scales(
+        out[2][:, :, 5:6], out[3][:, :, 5:6], rings_np[1][:, :, 2:3], VALUE_BITS
+    )
     for got, ring, tokens in zip(out[4:], rings_np, new):
         want = ring.copy()
         want[:, :, 2:3] = np.array(tokens)
@@ -307,13 +362,18 @@ def test_ring_append_kv_refuses_new_tokens_that_overlap_their_slots():
         (rings[0][:, :, 1:2], new[1], "keys share memory with the slots [1, 2) of the key ring"),
         (new[0], rings[0][:, :, 1:2], "values share memory with the slots [1, 2) of the key ring"),
     ]:
-        refused(lambda: ops.ring_append_kv(*buffers, *rings, keys, values, *cents, 0, 1,
-                                           KEY_BITS, VALUE_BITS),
-                "ring_append_kv", needle)
+        refused(
+            lambda: ops.ring_append_kv(
+                *buffers, *rings, keys, values, *cents, 0, 1, KEY_BITS, VALUE_BITS
+            ),
+            "ring_append_kv",
+            needle,
+        )
         assert_unchanged(everything, before)
     # A slot the exchange does not write may be a new token.
-    out = ops.ring_append_kv(*buffers, *rings, rings[0][:, :, 3:4], new[1], *cents, 0, 1,
-                             KEY_BITS, VALUE_BITS)
+    out = ops.ring_append_kv(
+        *buffers, *rings, rings[0][:, :, 3:4], new[1], *cents, 0, 1, KEY_BITS, VALUE_BITS
+    )
     want = rings_np[0].copy()
     want[:, :, 1] = rings_np[0][:, :, 3]
     np.testing.assert_array_equal(np.array(out[4]), want)
@@ -326,10 +386,16 @@ def test_ring_append_kv_refuses_bad_arguments_without_writing():
     mx.eval(rings)
     everything = buffers + rings
     before = bits_of(everything)
-    for change, needle in [((new[0], new[1].astype(mx.float16)), "value ring float32"),
-                           ((new[0], mx.zeros((B, H, 1, 32))), "value ring"),
-                           ((new[0], mx.zeros((B, H, 2, D))), "same tokens")]:
-        refused(lambda: ops.ring_append_kv(*buffers, *rings, *change, *cents, 0, 1, KEY_BITS,
-                                           VALUE_BITS),
-                "ring_append_kv", needle)
+    for change, needle in [
+        ((new[0], new[1].astype(mx.float16)), "value ring float32"),
+        ((new[0], mx.zeros((B, H, 1, 32))), "value ring"),
+        ((new[0], mx.zeros((B, H, 2, D))), "same tokens"),
+    ]:
+        refused(
+            lambda: ops.ring_append_kv(
+                *buffers, *rings, *change, *cents, 0, 1, KEY_BITS, VALUE_BITS
+            ),
+            "ring_append_kv",
+            needle,
+        )
         assert_unchanged(everything, before)

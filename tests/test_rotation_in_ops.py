@@ -64,8 +64,13 @@ def test_quantize_append_rotates_model_space_tokens(head_dim, bits, x_dtype):
     words, scales = poisoned_cache(rng, batch, heads, capacity, head_dim, bits)
     x = mx.array(random_tokens(rng, (batch, heads, length, head_dim))).astype(x_dtype)
     codes, out_scales = ops.quantize_append(
-        mx.array(words), mx.array(scales), x, mx.array(centroids_np(head_dim, bits)), offset,
-        bits, rotation_signs=rotation.kernel_signs,
+        mx.array(words),
+        mx.array(scales),
+        x,
+        mx.array(centroids_np(head_dim, bits)),
+        offset,
+        bits,
+        rotation_signs=rotation.kernel_signs,
     )
     got_words, got_scales = np.array(codes), np.array(out_scales)
     written = slice(offset, offset + length)
@@ -74,12 +79,27 @@ def test_quantize_append_rotates_model_space_tokens(head_dim, bits, x_dtype):
     )
     # the other slots are untouched
     np.testing.assert_array_equal(got_words[:, :, :offset], words[:, :, :offset])
-    np.testing.assert_array_equal(got_words[:, :, offset + length :], words[:, :, offset + length :])
+    np.testing.assert_array_equal(
+        got_words[:, :, offset + length :], words[:, :, offset + length :]
+    )
 
 
-def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=4,
-                              kv_heads=2, tail=0, rotate_output=True, key_bits=4,
-                              value_bits=4, centered=False, stream=None):
+def run_model_space_attention(
+    rng,
+    *,
+    head_dim,
+    q_dtype,
+    kv_len,
+    q_len=1,
+    group=4,
+    kv_heads=2,
+    tail=0,
+    rotate_output=True,
+    key_bits=4,
+    value_bits=4,
+    centered=False,
+    stream=None,
+):
     """compressed_attention on model-space queries and a model-space tail (in the
     queries' dtype), and the float64 reference over the compressed tokens rotated back
     to model space (keys always, values when ``rotate_output``), the means added back
@@ -87,8 +107,12 @@ def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=
     rotation = Rotation(head_dim, seed=3 * head_dim + kv_len)
     R = rotation.matrix()
     capacity = kv_len + 5
-    k_words, k_scales, k_hat = reference_cache(rng, 1, kv_heads, capacity, kv_len, head_dim, key_bits)
-    v_words, v_scales, v_hat = reference_cache(rng, 1, kv_heads, capacity, kv_len, head_dim, value_bits)
+    k_words, k_scales, k_hat = reference_cache(
+        rng, 1, kv_heads, capacity, kv_len, head_dim, key_bits
+    )
+    v_words, v_scales, v_hat = reference_cache(
+        rng, 1, kv_heads, capacity, kv_len, head_dim, value_bits
+    )
     q = mx.array(2.0 * rng.standard_normal((1, kv_heads * group, q_len, head_dim))).astype(q_dtype)
     tail_k = tail_v = None
     if tail:
@@ -100,12 +124,26 @@ def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=
         mu_v = (0.5 * rng.standard_normal((1, kv_heads, 1, head_dim))).astype(np.float32)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = ops.compressed_attention(
-        q, mx.array(k_words), mx.array(k_scales), mx.array(v_words), mx.array(v_scales),
-        mx.array(centroids_np(head_dim, key_bits)), mx.array(centroids_np(head_dim, value_bits)),
-        kv_len, scale, key_bits, value_bits, True, None, tail_k=tail_k, tail_v=tail_v,
-        rotation_signs=rotation.kernel_signs, rotate_output=rotate_output,
+        q,
+        mx.array(k_words),
+        mx.array(k_scales),
+        mx.array(v_words),
+        mx.array(v_scales),
+        mx.array(centroids_np(head_dim, key_bits)),
+        mx.array(centroids_np(head_dim, value_bits)),
+        kv_len,
+        scale,
+        key_bits,
+        value_bits,
+        True,
+        None,
+        tail_k=tail_k,
+        tail_v=tail_v,
+        rotation_signs=rotation.kernel_signs,
+        rotate_output=rotate_output,
         key_mean=None if mu_k is None else mx.array(mu_k),
-        value_mean=None if mu_v is None else mx.array(mu_v), stream=stream,
+        value_mean=None if mu_v is None else mx.array(mu_v),
+        stream=stream,
     )
     k_model = k_hat.astype(np.float64) @ R
     v_model = v_hat.astype(np.float64) @ R if rotate_output else v_hat.astype(np.float64)
@@ -117,7 +155,11 @@ def run_model_space_attention(rng, *, head_dim, q_dtype, kv_len, q_len=1, group=
     ref_out, ref_lse = reference.attention(
         to_np(q).astype(np.float64), k_model, v_model, scale, kv_len, True, None, tk, tv
     )
-    v_all = v_model[:, :, :kv_len] if tv is None else np.concatenate([v_model[:, :, :kv_len], tv], axis=2)
+    v_all = (
+        v_model[:, :, :kv_len]
+        if tv is None
+        else np.concatenate([v_model[:, :, :kv_len], tv], axis=2)
+    )
     return np.array(out), np.array(lse), ref_out, ref_lse, float(np.abs(v_all).max())
 
 
@@ -129,7 +171,12 @@ def test_attention_on_model_space_queries(head_dim, q_dtype, rotate_output):
     rtol = attention_rtol(q_dtype, head_dim, 4, 4)
     for kv_len, q_len, tail in ((17, 1, 0), (3000, 3, 0), (300, 1, 12)):
         out, lse, ref_out, ref_lse, v_max = run_model_space_attention(
-            rng, head_dim=head_dim, q_dtype=q_dtype, kv_len=kv_len, q_len=q_len, tail=tail,
+            rng,
+            head_dim=head_dim,
+            q_dtype=q_dtype,
+            kv_len=kv_len,
+            q_len=q_len,
+            tail=tail,
             rotate_output=rotate_output,
         )
         err = np.abs(out - ref_out).max() / v_max
@@ -146,11 +193,21 @@ def test_attention_adds_the_means_back(head_dim, q_dtype):
     rtol = attention_rtol(q_dtype, head_dim, 4, 4)
     if q_dtype == mx.bfloat16:
         rtol *= 8  # the tail and queries carry bfloat16's 8-bit mantissa
-    for kv_len, q_len, tail, rotate_output in ((40, 1, 36, True), (5000, 1, 36, True),
-                                               (300, 2, 0, True), (700, 1, 5, False)):
+    for kv_len, q_len, tail, rotate_output in (
+        (40, 1, 36, True),
+        (5000, 1, 36, True),
+        (300, 2, 0, True),
+        (700, 1, 5, False),
+    ):
         out, lse, ref_out, ref_lse, v_max = run_model_space_attention(
-            rng, head_dim=head_dim, q_dtype=q_dtype, kv_len=kv_len, q_len=q_len, tail=tail,
-            rotate_output=rotate_output, centered=True,
+            rng,
+            head_dim=head_dim,
+            q_dtype=q_dtype,
+            kv_len=kv_len,
+            q_len=q_len,
+            tail=tail,
+            rotate_output=rotate_output,
+            centered=True,
         )
         err = np.abs(out - ref_out).max() / v_max
         assert err <= rtol, f"kv_len {kv_len}, tail {tail}: out error {err:.3g} of max |v|"
@@ -170,11 +227,22 @@ def test_quantize_append_subtracts_the_mean(head_dim, bits):
     mean = rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32)
     cent = mx.array(centroids_np(head_dim, bits))
     got = ops.quantize_append(
-        mx.array(words), mx.array(scales), mx.array(x), cent, offset, bits,
-        rotation_signs=rotation.kernel_signs, mean=mx.array(mean),
+        mx.array(words),
+        mx.array(scales),
+        mx.array(x),
+        cent,
+        offset,
+        bits,
+        rotation_signs=rotation.kernel_signs,
+        mean=mx.array(mean),
     )
     want = ops.quantize_append(
-        mx.array(words), mx.array(scales), mx.array(x - mean), cent, offset, bits,
+        mx.array(words),
+        mx.array(scales),
+        mx.array(x - mean),
+        cent,
+        offset,
+        bits,
         rotation_signs=rotation.kernel_signs,
     )
     np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
@@ -189,25 +257,42 @@ def test_mean_arguments_are_checked():
     cent = mx.array(centroids_np(D, bits))
     x = mx.array(random_tokens(rng, (1, 2, 1, D)))
     with pytest.raises(ValueError) as e:
-        ops.quantize_append(mx.array(words), mx.array(scales), x, cent, 0, bits,
-                            mean=mx.zeros((1, 2, D)))
+        ops.quantize_append(
+            mx.array(words), mx.array(scales), x, cent, 0, bits, mean=mx.zeros((1, 2, D))
+        )
     assert_op_error(e, "quantize_append", "mean must have shape (1, 2, 1, 64)")
     if mx.default_device() == mx.cpu:  # (GPU appends do not check values: no sync)
         bad = np.zeros((1, 2, 1, D), np.float32)
         bad[0, 1, 0, 7] = np.nan
         with pytest.raises(ValueError) as e:
-            mx.eval(ops.quantize_append(mx.array(words), mx.array(scales), x, cent, 0, bits,
-                                        mean=mx.array(bad)))
+            mx.eval(
+                ops.quantize_append(
+                    mx.array(words), mx.array(scales), x, cent, 0, bits, mean=mx.array(bad)
+                )
+            )
         assert_op_error(e, "quantize_append", "mean has a non-finite value", "head 1")
     q = mx.zeros((1, 4, 1, D))
-    args = (q, mx.array(words), mx.array(scales), mx.array(words), mx.array(scales), cent,
-            cent, 4, 0.125, bits, bits, False)
+    args = (
+        q,
+        mx.array(words),
+        mx.array(scales),
+        mx.array(words),
+        mx.array(scales),
+        cent,
+        cent,
+        4,
+        0.125,
+        bits,
+        bits,
+        False,
+    )
     with pytest.raises(ValueError) as e:
         ops.compressed_attention(*args, key_mean=mx.zeros((1, 2, 1, D)))
     assert_op_error(e, "compressed_attention", "key_mean and value_mean must be given together")
     with pytest.raises(ValueError) as e:
-        ops.compressed_attention(*args, key_mean=mx.zeros((1, 2, 1, D)),
-                                 value_mean=mx.zeros((1, 4, 1, D)))
+        ops.compressed_attention(
+            *args, key_mean=mx.zeros((1, 2, 1, D)), value_mean=mx.zeros((1, 4, 1, D))
+        )
     assert_op_error(e, "compressed_attention", "value_mean must have shape (1, 2, 1, 64)")
 
 
@@ -215,12 +300,14 @@ def test_fallback_rotation_matches_rotation_class():
     rotation = Rotation(128, seed=5)
     x = mx.array(np.random.default_rng(0).standard_normal((2, 3, 128)).astype(np.float32))
     np.testing.assert_allclose(
-        np.array(fallback.rotate(x, rotation.kernel_signs)), np.array(rotation.forward(x)),
+        np.array(fallback.rotate(x, rotation.kernel_signs)),
+        np.array(rotation.forward(x)),
         atol=1e-6,
     )
     np.testing.assert_allclose(
         np.array(fallback.rotate(x, rotation.kernel_signs, inverse=True)),
-        np.array(rotation.inverse(x)), atol=1e-6,
+        np.array(rotation.inverse(x)),
+        atol=1e-6,
     )
 
 
@@ -248,11 +335,24 @@ def test_bad_rotation_signs_are_refused(head_dim, signs, needles):
     words, scales, c = _tiny_cache(head_dim)
     x = mx.ones((1, 1, 1, head_dim))
     with pytest.raises(ValueError) as excinfo:
-        ops.quantize_append(words, scales, x, c, 0, 4, rotation_signs=signs, stream=mx.Device(mx.cpu))
+        ops.quantize_append(
+            words, scales, x, c, 0, 4, rotation_signs=signs, stream=mx.Device(mx.cpu)
+        )
     assert_op_error(excinfo, "quantize_append", *needles)
     with pytest.raises(ValueError) as excinfo:
         ops.compressed_attention(
-            x, words, scales, words, scales, c, c, 1, 0.1, 4, 4, rotation_signs=signs,
+            x,
+            words,
+            scales,
+            words,
+            scales,
+            c,
+            c,
+            1,
+            0.1,
+            4,
+            4,
+            rotation_signs=signs,
             stream=mx.Device(mx.cpu),
         )
     assert_op_error(excinfo, "compressed_attention", *needles)

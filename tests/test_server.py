@@ -89,7 +89,7 @@ class Server:
                 line = raw.decode().strip()
                 lines.append(line)
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[len("data: "):]))
+                    events.append(json.loads(line[len("data: ") :]))
             return resp.status, events, lines
         finally:
             conn.close()
@@ -99,9 +99,20 @@ def _start_server(log_path, *args):
     port = _free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            _server_command("--model", _smollm2_path(), "--port", str(port),
-                            "--max-tokens", str(MAX_TOKENS), "--log-level", "INFO", *args),
-            stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            _server_command(
+                "--model",
+                _smollm2_path(),
+                "--port",
+                str(port),
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--log-level",
+                "INFO",
+                *args,
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
         )
     srv = Server(proc, port, log_path)
     deadline = time.monotonic() + STARTUP_S
@@ -131,8 +142,7 @@ def _stop_server(srv):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = _start_server(str(tmp_path_factory.mktemp("server") / "server.log"),
-                        "--kv-preset", "tq4")
+    srv = _start_server(str(tmp_path_factory.mktemp("server") / "server.log"), "--kv-preset", "tq4")
     yield srv
     _stop_server(srv)
 
@@ -155,15 +165,20 @@ def reference():
         mx.set_default_device(previous)
 
     def chat_tokens(messages):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=None,
-                                             tokenize=True)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=None, tokenize=True
+        )
 
     def generate(tokens, max_tokens=MAX_TOKENS):
         mx.set_default_device(device)
         try:
             cache = make_prompt_cache(model, "tq4")
-            return "".join(r.text for r in stream_generate(
-                model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=cache))
+            return "".join(
+                r.text
+                for r in stream_generate(
+                    model, tokenizer, tokens, max_tokens=max_tokens, prompt_cache=cache
+                )
+            )
         finally:
             mx.set_default_device(previous)
 
@@ -173,14 +188,19 @@ def reference():
 
 
 def _chat(content):
-    return {"messages": [{"role": "user", "content": content}], "temperature": 0.0,
-            "max_tokens": MAX_TOKENS}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+    }
 
 
 def _long_text(n_words, seed=12345):
     # Deterministic filler of distinct-looking sentences (no file or download needed).
-    words = ("river stone lantern orbit maple copper violet harbor signal meadow quartz "
-             "falcon ember tundra cobalt willow prism canyon").split()
+    words = (
+        "river stone lantern orbit maple copper violet harbor signal meadow quartz "
+        "falcon ember tundra cobalt willow prism canyon"
+    ).split()
     out, x = [], seed
     for i in range(n_words):
         x = (1103515245 * x + 12345) % 2**31
@@ -191,16 +211,31 @@ def _long_text(n_words, seed=12345):
 
 
 def test_unknown_preset_is_refused_at_startup():
-    r = subprocess.run(_server_command("--kv-preset", "tq9", "--port", str(_free_port())),
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    r = subprocess.run(
+        _server_command("--kv-preset", "tq9", "--port", str(_free_port())),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert "argument --kv-preset" in r.stderr and "unknown preset 'tq9'" in r.stderr
     assert "tq4" in r.stderr  # the valid presets are listed
-    r = subprocess.run(_server_command("--kv-bits", "4", "--port", str(_free_port())),
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    r = subprocess.run(
+        _server_command("--kv-bits", "4", "--port", str(_free_port())),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 2 and "argument --kv-bits" in r.stderr, r.stderr
-    r = subprocess.run(_server_command("--model", "missing.gguf"),
-                       capture_output=True, text=True, env=_env(), timeout=120)
+    r = subprocess.run(
+        _server_command("--model", "missing.gguf"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert r.returncode == 1 and "argument --model" in r.stderr and "missing.gguf" in r.stderr
 
 
@@ -211,8 +246,12 @@ def test_concurrent_streaming_and_plain_requests(server, reference):
     # completion, which shares no prefix with the chats); a request that reused an
     # earlier one's prefix (the chat template's header) continued from that compressed
     # cache, whose rounding and lever calibration differ from a fresh prefill's.
-    questions = ["What is the capital of France?", "Name a primary color.",
-                 "What is 2 + 2?", "Say hello."]
+    questions = [
+        "What is the capital of France?",
+        "Name a primary color.",
+        "What is 2 + 2?",
+        "Say hello.",
+    ]
     results = {}
 
     def run(i):
@@ -222,8 +261,10 @@ def test_concurrent_streaming_and_plain_requests(server, reference):
         elif i == 2:
             results[i] = server.request("/v1/chat/completions", _chat(questions[i]))
         else:
-            results[i] = server.request("/v1/completions", {
-                "prompt": questions[i], "temperature": 0.0, "max_tokens": MAX_TOKENS})
+            results[i] = server.request(
+                "/v1/completions",
+                {"prompt": questions[i], "temperature": 0.0, "max_tokens": MAX_TOKENS},
+            )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
@@ -242,16 +283,17 @@ def test_concurrent_streaming_and_plain_requests(server, reference):
         assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         text = "".join(e["choices"][0]["delta"].get("content", "") for e in chunks)
         usage = events[-1]["usage"]
-        answers[i] = text, usage, reference.chat_tokens(
-            [{"role": "user", "content": questions[i]}])
+        answers[i] = text, usage, reference.chat_tokens([{"role": "user", "content": questions[i]}])
     status, body = results[2]
     assert status == 200, body
-    answers[2] = body["choices"][0]["message"]["content"], body["usage"], \
-        reference.chat_tokens([{"role": "user", "content": questions[2]}])
+    answers[2] = (
+        body["choices"][0]["message"]["content"],
+        body["usage"],
+        reference.chat_tokens([{"role": "user", "content": questions[2]}]),
+    )
     status, body = results[3]
     assert status == 200, body
-    answers[3] = body["choices"][0]["text"], body["usage"], \
-        reference.tokenizer.encode(questions[3])
+    answers[3] = body["choices"][0]["text"], body["usage"], reference.tokenizer.encode(questions[3])
 
     compared = 0
     for i, (text, usage, tokens) in answers.items():
@@ -285,16 +327,25 @@ def _check_prefix_reuse(server, reference, text_seed, **options):
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] < 100  # (the chat header)
 
     def long_entries(log):
-        found = re.findall(r"Prompt cache entry: (\d+) tokens, 30/30 layers compressed, "
-                           r"([\d.]+) MB held \(([\d.]+) MB of stored tokens; "
-                           r"fp16: ([\d.]+) MB\)", log)
-        return [(int(n), float(held), float(stored), float(fp16))
-                for n, held, stored, fp16 in found if int(n) >= len(t1)]
+        found = re.findall(
+            r"Prompt cache entry: (\d+) tokens, 30/30 layers compressed, "
+            r"([\d.]+) MB held \(([\d.]+) MB of stored tokens; "
+            r"fp16: ([\d.]+) MB\)",
+            log,
+        )
+        return [
+            (int(n), float(held), float(stored), float(fp16))
+            for n, held, stored, fp16 in found
+            if int(n) >= len(t1)
+        ]
 
     # (The server stores a request's cache after answering it.)
     log = server.wait_for_log(lambda log: len(long_entries(log)) >= 2)
-    hit = re.findall(rf"Prompt cache hit: {cached} of {len(t2)} prompt tokens reused "
-                     r"\(\d+ tokens, (\d+)/(\d+) layers compressed", log)
+    hit = re.findall(
+        rf"Prompt cache hit: {cached} of {len(t2)} prompt tokens reused "
+        r"\(\d+ tokens, (\d+)/(\d+) layers compressed",
+        log,
+    )
     assert hit and hit[-1][0] == hit[-1][1] == "30", log[-3000:]
     # The entries are held compressed: no more than their stored tokens, well under
     # fp16's bytes.
@@ -320,8 +371,10 @@ def test_too_long_request_gets_http_400_while_other_requests_go_on(server, refer
 
     def stream():
         streamed["result"] = server.request(
-            "/v1/chat/completions", dict(_chat("Tell me about the sea."), max_tokens=24),
-            stream=True)
+            "/v1/chat/completions",
+            dict(_chat("Tell me about the sea."), max_tokens=24),
+            stream=True,
+        )
 
     t = threading.Thread(target=stream)
     t.start()
@@ -387,8 +440,10 @@ def test_batched_path_with_mlx_lm_caches(tmp_path):
             t.start()
         for t in threads:
             t.join(REQUEST_S)
-        assert all(results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"]
-                   for i in range(2)), results
+        assert all(
+            results[i][0] == 200 and results[i][1]["choices"][0]["message"]["content"]
+            for i in range(2)
+        ), results
         status, body = srv.request("/v1/chat/completions", _chat("Say yes."))
         assert status == 200
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 20

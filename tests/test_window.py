@@ -48,15 +48,22 @@ def test_ring_order_puts_each_window_position_at_its_ring_slot(S, ns, R):
 
 
 @pytest.mark.parametrize(
-    "levers", [dict(center=True), dict(center=True, query_aware_keys=True)],
+    "levers",
+    [dict(center=True), dict(center=True, query_aware_keys=True)],
     ids=["model-space-ring", "code-space-ring"],
 )
 def test_decode_steps_keep_each_window_token_at_its_ring_slot(levers):
     # Query-aware keys take the code-space path (the ops do not apply their scale):
     # the ring then holds the window as the codec would quantize it.
     S, R, B, H, D = 3, 8, 1, 2, 64
-    cache = TurboQuantKVCache(fp16_sink_tokens=S, fp16_recent_tokens=R, calibration_tokens=16,
-                              rollback_tokens=4, seed=5, **levers)
+    cache = TurboQuantKVCache(
+        fp16_sink_tokens=S,
+        fp16_recent_tokens=R,
+        calibration_tokens=16,
+        rollback_tokens=4,
+        seed=5,
+        **levers,
+    )
     rng = np.random.default_rng(7)
 
     def rand(shape):
@@ -97,6 +104,7 @@ def test_decode_steps_keep_each_window_token_at_its_ring_slot(levers):
         if buf is not None and buf.view is cache._win_k:
             assert isinstance(buf, WindowBuffer)
             n = cache._win_k.shape[2]
-            np.testing.assert_array_equal(np.array(buf.keys[:, :, buf.lo : buf.lo + n]),
-                                          np.array(cache._win_k))
+            np.testing.assert_array_equal(
+                np.array(buf.keys[:, :, buf.lo : buf.lo + n]), np.array(cache._win_k)
+            )
     assert rings >= 2 * R  # the ring is in sync from the first full-window step on

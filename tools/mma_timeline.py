@@ -21,9 +21,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # the kernel's marks (TQ_MMA_MARK in attention_mma.cuh), in order
-MARKS = ["indices", "first copies issued", "key table", "value table", "queries loaded",
-         "query fragments", "tables-ready barrier", "warp 0's keys done", "all warps' keys done",
-         "partials in shared memory", "results written"]
+MARKS = [
+    "indices",
+    "first copies issued",
+    "key table",
+    "value table",
+    "queries loaded",
+    "query fragments",
+    "tables-ready barrier",
+    "warp 0's keys done",
+    "all warps' keys done",
+    "partials in shared memory",
+    "results written",
+]
 
 
 def main():
@@ -35,7 +45,9 @@ def main():
         if f and f[0] == "TQT":
             rows.append([int(x) for x in f[1:]])
     if not rows:
-        sys.exit(f"no TQT lines (not a TQ_MMA_PROBE=3 build?)\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        sys.exit(
+            f"no TQT lines (not a TQ_MMA_PROBE=3 build?)\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
+        )
     rows.sort(key=lambda r: r[4])
     calls, cur = [], [rows[0]]
     for r in rows[1:]:
@@ -49,8 +61,10 @@ def main():
         t0 = min(r[4] for r in c)
         span = (max(r[5] for r in c) - t0) / 1e3
         ghz = statistics.median(r[-1] / max(1, r[5] - r[4]) for r in c)
-        print(f"call {i}: {len(c)} blocks on {len(set(r[3] for r in c))} SMs, span {span:.1f} µs, "
-              f"block median {statistics.median((r[5] - r[4]) / 1e3 for r in c):.2f} µs, {ghz:.2f} GHz")
+        print(
+            f"call {i}: {len(c)} blocks on {len(set(r[3] for r in c))} SMs, span {span:.1f} µs, "
+            f"block median {statistics.median((r[5] - r[4]) / 1e3 for r in c):.2f} µs, {ghz:.2f} GHz"
+        )
     c = calls[-1]
     print(f"\nlast call, per block (median over {len(c)} blocks), SM cycles:")
     prev = [0] * len(c)
@@ -64,8 +78,14 @@ def main():
     starts = sorted((r[4] - t0) / 1e3 for r in c)
     ends = sorted((r[5] - t0) / 1e3 for r in c)
     q = lambda v, f: v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-    print("  entries at (µs) min/25/50/75/max:", [round(q(starts, f), 2) for f in (0, .25, .5, .75, 1)])
-    print("  ends at (µs)    min/25/50/75/max:", [round(q(ends, f), 2) for f in (0, .25, .5, .75, 1)])
+    print(
+        "  entries at (µs) min/25/50/75/max:",
+        [round(q(starts, f), 2) for f in (0, 0.25, 0.5, 0.75, 1)],
+    )
+    print(
+        "  ends at (µs)    min/25/50/75/max:",
+        [round(q(ends, f), 2) for f in (0, 0.25, 0.5, 0.75, 1)],
+    )
 
 
 if __name__ == "__main__":

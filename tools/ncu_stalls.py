@@ -48,8 +48,12 @@ def regions(body, head, si):
     loop = [i for i, x in enumerate(runs) if x >= per_iteration]
     if not loop:
         return None
-    parts = {"set-up (before the loop)": [], "per-iteration code": [],
-             "code some iterations take": [], "after the loop": []}
+    parts = {
+        "set-up (before the loop)": [],
+        "per-iteration code": [],
+        "code some iterations take": [],
+        "after the loop": [],
+    }
     for i, r in enumerate(body):
         if runs[i] >= per_iteration:
             parts["per-iteration code"].append(r)
@@ -75,8 +79,12 @@ def main():
                 stalls.append((x, name.split("issue_stalled_")[1].split("_per_issue")[0]))
             elif x is not None and any(
                 k in name
-                for k in ("sm__cycles_elapsed.avg.per_second", "smsp__issue_active.avg.per_cycle",
-                          "gpu__time_duration.sum", "dram__throughput.avg.pct")
+                for k in (
+                    "sm__cycles_elapsed.avg.per_second",
+                    "smsp__issue_active.avg.per_cycle",
+                    "gpu__time_duration.sum",
+                    "dram__throughput.avg.pct",
+                )
             ):
                 print(f"{name:60s} {v}")
         print("\nstall reason (warps stalled per issued instruction):")
@@ -87,7 +95,10 @@ def main():
         print("(no source page)")
         return
     # the page may open with the kernel's name: the header is the row naming the samples
-    hi = next((i for i, r in enumerate(src) if any(h.startswith("Warp Stall Sampling (All") for h in r)), None)
+    hi = next(
+        (i for i, r in enumerate(src) if any(h.startswith("Warp Stall Sampling (All") for h in r)),
+        None,
+    )
     if hi is None:
         print("(no stall samples on the source page; first rows:", src[:3], ")")
         return
@@ -95,8 +106,11 @@ def main():
     si = next(i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All"))
     # one column per stall reason (all samples), not the totals or the not-issued subsets
     reasons = [
-        i for i, h in enumerate(head)
-        if i != si and not h.startswith("Warp Stall Sampling") and "Not Issued" not in h
+        i
+        for i, h in enumerate(head)
+        if i != si
+        and not h.startswith("Warp Stall Sampling")
+        and "Not Issued" not in h
         and (h.startswith("stall_") or "Stall" in h)
     ]
     body = [r for r in src[1:] if len(r) == len(head) and number(r[si]) is not None]
@@ -105,7 +119,9 @@ def main():
     if parts:
         print("\nstall samples by region (by how often each instruction ran):")
         for name, rs in parts.items():
-            print(f"  {name:34s} {100 * sum(number(r[si]) for r in rs) / total:5.1f}%  ({len(rs)} instructions)")
+            print(
+                f"  {name:34s} {100 * sum(number(r[si]) for r in rs) / total:5.1f}%  ({len(rs)} instructions)"
+            )
     print(f"\ntotal stall samples {total:.0f}; top {top} instructions:")
     for r in sorted(body, key=lambda r: -number(r[si]))[:top]:
         why = sorted(((number(r[i]) or 0.0, head[i]) for i in reasons), reverse=True)[:3]

@@ -201,8 +201,7 @@ void attention_impl(
   std::vector<Partial> tails(tail_len > 0 ? sh.batch * sh.kv_heads : 0);
   parallel_for(static_cast<int>(tails.size()), [&](int bh) {
     int b = bh / sh.kv_heads, kvh = bh % sh.kv_heads;
-    const float* q_rows =
-        q_model + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
+    const float* q_rows = q_model + (static_cast<int64_t>(b) * sh.q_heads + kvh * G) * sh.q_len * D;
     const float* tk = tail_k + static_cast<int64_t>(bh) * tail_len * D;
     const float* tv = tail_v + static_cast<int64_t>(bh) * tail_len * D;
     Partial& part = tails[bh];
@@ -392,8 +391,25 @@ void attention(
     dispatch_bits(p.key_bits, [&]<int KB>() {
       dispatch_bits(p.value_bits, [&]<int VB>() {
         attention_impl<KB, VB>(
-            sh, p, rot, q_in, q_ptr, kc, ks, vc, vs, kcent, vcent, mask, tail_k, tail_v,
-            tail_len, key_mean, value_mean, out_ptr, lse_ptr);
+            sh,
+            p,
+            rot,
+            q_in,
+            q_ptr,
+            kc,
+            ks,
+            vc,
+            vs,
+            kcent,
+            vcent,
+            mask,
+            tail_k,
+            tail_v,
+            tail_len,
+            key_mean,
+            value_mean,
+            out_ptr,
+            lse_ptr);
       });
     });
     auto convert = [&]<typename T>(T* o) {

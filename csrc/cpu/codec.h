@@ -57,7 +57,11 @@ inline void rotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_
 /// A copy of `rows` row-major vectors of head_dim coordinates, each rotated by R (see
 /// rotate_signed_hadamard).
 inline std::vector<float> rotated_rows(
-    const float* x, int64_t rows, int head_dim, const uint32_t* sign_bits, float scale) {
+    const float* x,
+    int64_t rows,
+    int head_dim,
+    const uint32_t* sign_bits,
+    float scale) {
   std::vector<float> y(x, x + rows * head_dim);
   for (int64_t r = 0; r < rows; ++r) {
     rotate_signed_hadamard(y.data() + r * head_dim, head_dim, sign_bits, scale);
@@ -66,7 +70,11 @@ inline std::vector<float> rotated_rows(
 }
 
 /// v <- R^T v = diag(s) H v * scale (H is symmetric).
-inline void unrotate_signed_hadamard(float* v, int head_dim, const uint32_t* sign_bits, float scale) {
+inline void unrotate_signed_hadamard(
+    float* v,
+    int head_dim,
+    const uint32_t* sign_bits,
+    float scale) {
   walsh_hadamard(v, head_dim);
   for (int d = 0; d < head_dim; ++d) {
     float y = v[d] * scale;
@@ -167,12 +175,9 @@ struct Decoder {
 template <typename F>
 void dispatch_bits(int bits, F&& f) {
   switch (bits) {
-    case 2:
-      return f.template operator()<2>();
-    case 3:
-      return f.template operator()<3>();
-    default:
-      return f.template operator()<4>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    default: return f.template operator()<4>();
   }
 }
 

@@ -20,7 +20,8 @@ void dequantize(
   auto& scales = inputs[1];
   auto& centroids = inputs[2];
   auto& out = outputs[0];
-  prim.place_output(inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
+  prim.place_output(
+      inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
   const mx::array* prefix = prim.prefix_input() < 0 ? nullptr : &inputs[prim.prefix_input()];
   const mx::array* suffix = prim.suffix_input() < 0 ? nullptr : &inputs[prim.suffix_input()];
 
@@ -61,14 +62,19 @@ void dequantize(
           // The slots around the decoded tokens: the prefix / suffix rows, else zeros.
           auto fill = [&](OT* dst, const OT* rows, int64_t n) {
             if (rows) {
-              std::copy(rows + static_cast<int64_t>(bh) * n, rows + static_cast<int64_t>(bh + 1) * n, dst);
+              std::copy(
+                  rows + static_cast<int64_t>(bh) * n,
+                  rows + static_cast<int64_t>(bh + 1) * n,
+                  dst);
             } else {
               std::fill(dst, dst + n, OT(0.0f));
             }
           };
           fill(head, prefix_ptr, static_cast<int64_t>(before) * head_dim);
-          fill(head + static_cast<int64_t>(before + length) * head_dim, suffix_ptr,
-               static_cast<int64_t>(slots - before - length) * head_dim);
+          fill(
+              head + static_cast<int64_t>(before + length) * head_dim,
+              suffix_ptr,
+              static_cast<int64_t>(slots - before - length) * head_dim);
           std::vector<float> row(head_dim);
           for (int t = 0; t < length; ++t) {
             int64_t slot = static_cast<int64_t>(bh) * capacity + start + t;

@@ -8,10 +8,10 @@
 #include "mlx/stream.h"
 
 #include "buffer_copies.h"
-#include "message.h"
 #include "cpu/codec.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
+#include "message.h"
 
 namespace turboquant_mlx::cpu {
 
@@ -130,11 +130,7 @@ void quantize_append(
         two ? (index == 0 ? "key " : "value ") : ""});
     ++index;
   });
-  auto task = [jobs = std::move(jobs),
-               op = prim.op(),
-               offset = prim.offset(),
-               ring_slot,
-               done]() {
+  auto task = [jobs = std::move(jobs), op = prim.op(), offset = prim.offset(), ring_slot, done]() {
     // Every part's tokens are checked and quantized into scratch first; a refusal
     // raises before any buffer is written.
     auto refuse = [op](const auto&... args) {
@@ -148,9 +144,14 @@ void quantize_append(
       const int n_vectors = job.batch * heads * length;
       auto where = [&](int v) {
         return message(
-            job.what, ring_slot >= 0 ? "ring slot " : "token ",
-            (ring_slot >= 0 ? ring_slot : 0) + v % length, " of head ", (v / length) % heads,
-            " (batch ", v / (length * heads), ")");
+            job.what,
+            ring_slot >= 0 ? "ring slot " : "token ",
+            (ring_slot >= 0 ? ring_slot : 0) + v % length,
+            " of head ",
+            (v / length) % heads,
+            " (batch ",
+            v / (length * heads),
+            ")");
       };
       for (int v = 0; v < n_vectors; ++v) {
         const float* y = job.x + static_cast<int64_t>(v) * head_dim;
@@ -170,8 +171,14 @@ void quantize_append(
           for (int i = 0; i < head_dim; ++i) {
             const float c = job.x[static_cast<int64_t>(v) * head_dim + i] - m[i];
             if (!std::isfinite(m[i])) {
-              refuse(job.what, "mean has a non-finite value ", m[i], " at coordinate ", i,
-                     " of head ", (v / length) % heads);
+              refuse(
+                  job.what,
+                  "mean has a non-finite value ",
+                  m[i],
+                  " at coordinate ",
+                  i,
+                  " of head ",
+                  (v / length) % heads);
             }
             if (!std::isfinite(c)) {
               refuse(where(v), " minus the mean overflows at coordinate ", i);
@@ -205,8 +212,15 @@ void quantize_append(
           /* min_items = */ 256);
       for (int v = 0; v < n_vectors; ++v) {
         if (!(q.results[v].scale <= kMaxFloat16)) {
-          refuse(where(v), " has norm ", q.results[v].norm, ": its scale ", q.results[v].scale,
-                 " exceeds the float16 range (", kMaxFloat16, ")");
+          refuse(
+              where(v),
+              " has norm ",
+              q.results[v].norm,
+              ": its scale ",
+              q.results[v].scale,
+              " exceeds the float16 range (",
+              kMaxFloat16,
+              ")");
         }
       }
     }
@@ -263,10 +277,13 @@ mx::array ring_slots_f32(const mx::array& ring, int slot, int length, const mx::
       for (int64_t h = 0; h < shape[1]; ++h) {
         for (int64_t l = 0; l < shape[2]; ++l) {
           for (int64_t d = 0; d < shape[3]; ++d) {
-            const char* at = src + (b * rs[0] + h * rs[1] + (slot + l) * rs[2] + d * rs[3]) * itemsize;
-            *to++ = dtype == mx::float16 ? static_cast<float>(*reinterpret_cast<const mx::float16_t*>(at))
-                : dtype == mx::bfloat16  ? static_cast<float>(*reinterpret_cast<const mx::bfloat16_t*>(at))
-                                         : *reinterpret_cast<const float*>(at);
+            const char* at =
+                src + (b * rs[0] + h * rs[1] + (slot + l) * rs[2] + d * rs[3]) * itemsize;
+            *to++ = dtype == mx::float16
+                ? static_cast<float>(*reinterpret_cast<const mx::float16_t*>(at))
+                : dtype == mx::bfloat16
+                ? static_cast<float>(*reinterpret_cast<const mx::bfloat16_t*>(at))
+                : *reinterpret_cast<const float*>(at);
           }
         }
       }

@@ -1,5 +1,6 @@
 // Layout: CUDA only (kernel instantiations).
-// Attention kernels for bfloat16 (read as raw bits) queries, head dims 32..128, every bit-width pair.
+// Attention kernels for bfloat16 (read as raw bits) queries, head dims 32..128, every bit-width
+// pair.
 #include "tq_entry.cuh"
 
 namespace turboquant_mlx::cuda_kernels {

@@ -109,8 +109,7 @@ struct TQMmaConfig {
   static constexpr int STEP = WARPS * TILE; // tokens per block iteration
   static constexpr int ROWS = 8 * NRB;
   // resident blocks per SM the registers are budgeted for (no spills at these limits)
-  static constexpr int BLOCKS =
-      BYTE_ADDR ? 1 : D <= 128 ? (NRB == 1 ? 3 : 2) : (NRB == 1 ? 2 : 1);
+  static constexpr int BLOCKS = BYTE_ADDR ? 1 : D <= 128 ? (NRB == 1 ? 3 : 2) : (NRB == 1 ? 2 : 1);
   // code words a thread reads per token: keys D/4 coordinates, values D/8
   static constexpr int KBITS = D / 4 * KB;
   static constexpr int VBITS = D / 8 * VB;
@@ -181,7 +180,10 @@ struct TQMmaConfig {
 };
 
 __device__ __forceinline__ void tq_mma_16816(
-    float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    float (&d)[4],
+    const uint32_t (&a)[4],
+    uint32_t b0,
+    uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -217,7 +219,10 @@ __device__ __forceinline__ uint32_t tq_bits_at(const uint32_t* a, int pos) {
 /// into a[], shifted to start at bit 0. Whole-word slices use 16- or 8-byte loads
 /// (the host guarantees the alignment, see vector_aligned in eval_cuda.cu).
 template <int NBITS>
-__device__ __forceinline__ void tq_load_slice(const uint32_t* __restrict__ tok, int j, uint32_t* a) {
+__device__ __forceinline__ void tq_load_slice(
+    const uint32_t* __restrict__ tok,
+    int j,
+    uint32_t* a) {
   constexpr int NW = (NBITS + 31) / 32;
   if constexpr (NBITS % 32 == 0) {
     const uint32_t* p = tok + j * NW;
@@ -295,7 +300,12 @@ struct TQMmaCache {
 /// from the lane's first.
 template <int D, int KB, int VB, int NRB, bool CLAMP>
 __device__ __forceinline__ void tq_mma_load_tokens(
-    TQMmaTile<D, KB, VB, NRB>& tl, const TQMmaCache& c, int t0, int t_last, int g, int cc) {
+    TQMmaTile<D, KB, VB, NRB>& tl,
+    const TQMmaCache& c,
+    int t0,
+    int t_last,
+    int g,
+    int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   // Token t0 + i of this lane's first key (g) and value (2c) token, as byte pointers:
   // without CLAMP the lane's first token plus a constant (an immediate offset of the load).
@@ -335,7 +345,12 @@ __device__ __forceinline__ void tq_mma_load_tokens(
 /// addressing when it lies wholly before t_end, else clamped to the last key.
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_load(
-    TQMmaTile<D, KB, VB, NRB>& tl, const TQMmaCache& c, int t0, int t_end, int g, int cc) {
+    TQMmaTile<D, KB, VB, NRB>& tl,
+    const TQMmaCache& c,
+    int t0,
+    int t_end,
+    int g,
+    int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   if (t0 + C::TILE <= t_end) {
     tq_mma_load_tokens<D, KB, VB, NRB, false>(tl, c, t0, t_end - 1, g, cc);
@@ -347,9 +362,9 @@ __device__ __forceinline__ void tq_mma_load(
 /// cp.async of 16 bytes from global `src` to shared address `dst`, of which the first
 /// `src_bytes` (0..16) are read and the rest zero-filled (L2 only: read once).
 __device__ __forceinline__ void tq_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+      : "memory");
 }
 
 __device__ __forceinline__ void tq_cp_async_commit() {
@@ -395,7 +410,11 @@ struct TQMmaStageLane {
   uint32_t sdst;
 
   __device__ __forceinline__ TQMmaStageLane(
-      int lane, const unsigned char* ks, const unsigned char* vs, uint32_t sc_k, uint32_t sc_v) {
+      int lane,
+      const unsigned char* ks,
+      const unsigned char* vs,
+      uint32_t sc_k,
+      uint32_t sc_v) {
 #pragma unroll
     for (int r = 0; r < VR; ++r) {
       const uint32_t j = uint32_t(lane + 32 * r), t = j / VCH, k = j % VCH;
@@ -417,8 +436,12 @@ struct TQMmaStageLane {
 /// commits one).
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_copy(
-    uint32_t stage, const TQMmaCache& c, const TQMmaStageLane<D, KB, VB, NRB>& sl, int t0,
-    int t_end, int lane) {
+    uint32_t stage,
+    const TQMmaCache& c,
+    const TQMmaStageLane<D, KB, VB, NRB>& sl,
+    int t0,
+    int t_end,
+    int lane) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   typedef TQMmaStageLane<D, KB, VB, NRB> SL;
   if (t0 < t_end) {
@@ -462,7 +485,11 @@ __device__ __forceinline__ void tq_mma_stage_copy(
 /// Keys and scales of one staged warp iteration, from shared memory into registers.
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_read_keys(
-    TQMmaTile<D, KB, VB, NRB>& tl, const unsigned char* stage, int g, int cc, uint32_t sc_k,
+    TQMmaTile<D, KB, VB, NRB>& tl,
+    const unsigned char* stage,
+    int g,
+    int cc,
+    uint32_t sc_k,
     uint32_t sc_v) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   static_assert(C::KW % 2 == 0, "staged key slices: 8 or 16 bytes");
@@ -500,12 +527,16 @@ __device__ __forceinline__ void tq_mma_stage_read_keys(
 /// flipped, and both 8 rows further: two registers and immediate offsets.
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_read_values(
-    uint32_t (&v)[4][TQMmaConfig<D, KB, VB, NRB>::VW], const unsigned char* stage, int m, int g,
+    uint32_t (&v)[4][TQMmaConfig<D, KB, VB, NRB>::VW],
+    const unsigned char* stage,
+    int m,
+    int g,
     int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   static_assert(C::VW == 1 || C::VW == 2, "staged value slices: 4 or 8 bytes");
-  static_assert((C::VTOK & (C::VTOK - 1)) == 0 && C::ST_V % (2 * C::VTOK) == 0,
-                "a row pair's rows differ in one address bit");
+  static_assert(
+      (C::VTOK & (C::VTOK - 1)) == 0 && C::ST_V % (2 * C::VTOK) == 0,
+      "a row pair's rows differ in one address bit");
   const uint32_t t0 = 2u * uint32_t(cc); // token 2c of the tile
   const uint32_t a0 = C::ST_V + (16u * m + tq_stage_vrow(t0)) * C::VTOK +
       ((uint32_t(g) * (C::VW * 4)) ^ tq_stage_vswz<C::VTOK>(t0));
@@ -525,7 +556,11 @@ __device__ __forceinline__ void tq_mma_stage_read_values(
 /// Codes and scales of one staged warp iteration, from shared memory into registers.
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_stage_read(
-    TQMmaTile<D, KB, VB, NRB>& tl, const unsigned char* stage, int g, int cc, uint32_t sc_k,
+    TQMmaTile<D, KB, VB, NRB>& tl,
+    const unsigned char* stage,
+    int g,
+    int cc,
+    uint32_t sc_k,
     uint32_t sc_v) {
   tq_mma_stage_read_keys<D, KB, VB, NRB>(tl, stage, g, cc, sc_k, sc_v);
 #pragma unroll
@@ -575,13 +610,18 @@ __device__ __forceinline__ unsigned long long tq_globaltimer() {
 /// `mine` is lane l's cent[l % 2^B].
 template <int B, int STRIDE>
 __device__ __forceinline__ void tq_mma_pair_table(
-    unsigned char* tab, float mine, int warp, int lane, int warps) {
+    unsigned char* tab,
+    float mine,
+    int warp,
+    int lane,
+    int warps) {
   constexpr int ENTRIES = 1 << (2 * B), MASK = (1 << B) - 1;
   for (int e0 = 4 * warp; e0 < ENTRIES; e0 += 4 * warps) { // uniform within a warp
     const int e = e0 + (lane >> 3);
-    const uint32_t pair = tq_pack_half2(__shfl_sync(0xffffffffu, mine, e & MASK),
-                                        __shfl_sync(0xffffffffu, mine, e >> B));
-    *reinterpret_cast<uint4*>(tab + e * STRIDE + 16 * (lane & 7)) = make_uint4(pair, pair, pair, pair);
+    const uint32_t pair = tq_pack_half2(
+        __shfl_sync(0xffffffffu, mine, e & MASK), __shfl_sync(0xffffffffu, mine, e >> B));
+    *reinterpret_cast<uint4*>(tab + e * STRIDE + 16 * (lane & 7)) =
+        make_uint4(pair, pair, pair, pair);
   }
 }
 
@@ -684,7 +724,9 @@ __device__ __forceinline__ void tq_mma_scores(
 /// the value scales vs folded in.
 template <int D, int NRB, int MT, bool CHECK>
 __device__ __forceinline__ void tq_mma_softmax(
-    TQMmaAcc<D, NRB>& acc, float (&s)[MT][NRB][4], const __half (&vs)[MT][2]) {
+    TQMmaAcc<D, NRB>& acc,
+    float (&s)[MT][NRB][4],
+    const __half (&vs)[MT][2]) {
   constexpr int KBLK = D / 16;
   // Per row (rows 2c, 2c+1 of each row block; the 8 lanes g of a row pair reduce with
   // xor-shuffles over lane bits 2..4). The running maxima only change when some score
@@ -758,7 +800,11 @@ __device__ __forceinline__ void tq_mma_softmax(
 /// fragments (lanes 0-15 address tokens 0-15).
 template <int D, int KB, int VB, int NRB>
 __device__ __forceinline__ void tq_mma_p_fragments(
-    uint32_t (&pb)[NRB][2], const float (&s)[NRB][4], __half* ptile, int g, int cc) {
+    uint32_t (&pb)[NRB][2],
+    const float (&s)[NRB][4],
+    __half* ptile,
+    int g,
+    int cc) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   uint32_t* pw = reinterpret_cast<uint32_t*>(ptile);
   __syncwarp(); // the previous tile's fragments were read
@@ -768,8 +814,8 @@ __device__ __forceinline__ void tq_mma_p_fragments(
     pw[((g + 8) * C::TSTRIDE + nb * 8) / 2 + cc] = tq_pack_half2(s[nb][2], s[nb][3]);
   }
   __syncwarp();
-  const uint32_t row = uint32_t(__cvta_generic_to_shared(ptile)) +
-      2u * uint32_t(((4 * g + cc) & 15) * C::TSTRIDE);
+  const uint32_t row =
+      uint32_t(__cvta_generic_to_shared(ptile)) + 2u * uint32_t(((4 * g + cc) & 15) * C::TSTRIDE);
 #pragma unroll
   for (int nb = 0; nb < NRB; ++nb) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
@@ -877,28 +923,29 @@ __device__ __forceinline__ void tq_mma_step(
 /// q is float16 or (q_bf16 != 0) bfloat16.
 template <int D, int KB, int VB, int NRB>
 __global__ void __launch_bounds__(
-    TQMmaConfig<D, KB, VB, NRB>::THREADS, TQMmaConfig<D, KB, VB, NRB>::BLOCKS)
-tq_attention_mma_kernel(
-    const void* __restrict__ q,
-    const uint32_t* __restrict__ k_codes,
-    const __half* __restrict__ k_scales,
-    const uint32_t* __restrict__ v_codes,
-    const __half* __restrict__ v_scales,
-    const float* __restrict__ k_cent,
-    const float* __restrict__ v_cent,
-    const unsigned char* __restrict__ mask,
-    float* __restrict__ out,
-    float* __restrict__ lse,
-    float* __restrict__ o_part,
-    float* __restrict__ ml_part,
-    const __grid_constant__ TQAttnParams p,
-    int q_bf16,
-    unsigned int* __restrict__ merge_count,
-    const void* __restrict__ tail_k,
-    const void* __restrict__ tail_v,
-    const float* __restrict__ key_mean,
-    const float* __restrict__ value_mean,
-    const __grid_constant__ TQMergeParams mp) {
+    TQMmaConfig<D, KB, VB, NRB>::THREADS,
+    TQMmaConfig<D, KB, VB, NRB>::BLOCKS)
+    tq_attention_mma_kernel(
+        const void* __restrict__ q,
+        const uint32_t* __restrict__ k_codes,
+        const __half* __restrict__ k_scales,
+        const uint32_t* __restrict__ v_codes,
+        const __half* __restrict__ v_scales,
+        const float* __restrict__ k_cent,
+        const float* __restrict__ v_cent,
+        const unsigned char* __restrict__ mask,
+        float* __restrict__ out,
+        float* __restrict__ lse,
+        float* __restrict__ o_part,
+        float* __restrict__ ml_part,
+        const __grid_constant__ TQAttnParams p,
+        int q_bf16,
+        unsigned int* __restrict__ merge_count,
+        const void* __restrict__ tail_k,
+        const void* __restrict__ tail_v,
+        const float* __restrict__ key_mean,
+        const float* __restrict__ value_mean,
+        const __grid_constant__ TQMergeParams mp) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
@@ -938,7 +985,8 @@ tq_attention_mma_kernel(
       const int rr = min(row0 + nb * 8 + g, p.rows - 1);
       const int qh = kvh * p.gqa + rr / p.q_len;
       const int ql = rr % p.q_len;
-      const int64_t base = b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2] + cc * (D / 4);
+      const int64_t base =
+          b * p.q_stride[0] + qh * p.q_stride[1] + ql * p.q_stride[2] + cc * (D / 4);
       const uint4* qrow = reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(q) + base);
 #pragma unroll
       for (int i = 0; i < D / 32; ++i) {
@@ -949,10 +997,14 @@ tq_attention_mma_kernel(
   // this block's keys (split `split`) and, staged, their first copies
   TQMmaCache c;
   constexpr bool k_words = C::KBITS % 32 == 0, v_words = C::VBITS % 32 == 0;
-  c.kc = reinterpret_cast<const unsigned char*>(k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1]);
-  c.ks = reinterpret_cast<const unsigned char*>(k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1]);
-  c.vc = reinterpret_cast<const unsigned char*>(v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1]);
-  c.vs = reinterpret_cast<const unsigned char*>(v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1]);
+  c.kc =
+      reinterpret_cast<const unsigned char*>(k_codes + b * p.kc_stride[0] + kvh * p.kc_stride[1]);
+  c.ks =
+      reinterpret_cast<const unsigned char*>(k_scales + b * p.ks_stride[0] + kvh * p.ks_stride[1]);
+  c.vc =
+      reinterpret_cast<const unsigned char*>(v_codes + b * p.vc_stride[0] + kvh * p.vc_stride[1]);
+  c.vs =
+      reinterpret_cast<const unsigned char*>(v_scales + b * p.vs_stride[0] + kvh * p.vs_stride[1]);
   c.kc_lane = k_words ? uint32_t(cc * C::KW * 4) : 0u;
   c.vc_lane = v_words ? uint32_t(g * C::VW * 4) : 0u;
   c.kj = k_words ? 0 : cc;
@@ -966,9 +1018,8 @@ tq_attention_mma_kernel(
   // This warp's ring (staged shapes): in the gap below the tables while it has room,
   // else after the P tiles (see TQMmaConfig::LOOP_SMEM).
   const int in_gap = C::STAGED ? min(C::WARPS, int(tab_off) / max(C::RING, 1)) : 0;
-  uint32_t ring_off = warp < in_gap
-      ? uint32_t(warp * C::RING)
-      : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
+  uint32_t ring_off = warp < in_gap ? uint32_t(warp * C::RING)
+                                    : tab_off + C::FIXED_SMEM + uint32_t((warp - in_gap) * C::RING);
   asm volatile("" : "+r"(ring_off)); // (kept, not recomputed every iteration)
   [[maybe_unused]] const uint32_t ring = smem_addr + ring_off;
   [[maybe_unused]] const unsigned char* ring_ptr = tq_mma_smem + ring_off;
@@ -989,8 +1040,13 @@ tq_attention_mma_kernel(
     // plain loop STAGES - 1 (it issues the next one at the top of each iteration)
 #pragma unroll
     for (int i = 0; i < (C::PIPELINED ? C::STAGES : C::STAGES - 1); ++i) {
-      tq_mma_stage_copy<D, KB, VB, NRB>(ring + i * C::STAGE_BYTES, c, sl,
-          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP, t_end, lane);
+      tq_mma_stage_copy<D, KB, VB, NRB>(
+          ring + i * C::STAGE_BYTES,
+          c,
+          sl,
+          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP,
+          t_end,
+          lane);
     }
   }
 
@@ -1128,10 +1184,13 @@ tq_attention_mma_kernel(
   auto run = [&](const TQMmaTile<D, KB, VB, NRB>& tl, int t) {
 #if TQ_MMA_PROBE == 2
     for (int m = 0; m < C::MT; ++m) {
-      for (int i = 0; i < C::KW; ++i) sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
-      for (int i = 0; i < C::VW; ++i) sink ^= tl.v[m][0][i] ^ tl.v[m][1][i] ^ tl.v[m][2][i] ^ tl.v[m][3][i];
-      sink ^= __float_as_uint(__half2float(tl.ks[m][0]) + __half2float(tl.ks[m][1]) +
-                              __half2float(tl.vs[m][0]) + __half2float(tl.vs[m][1]));
+      for (int i = 0; i < C::KW; ++i)
+        sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
+      for (int i = 0; i < C::VW; ++i)
+        sink ^= tl.v[m][0][i] ^ tl.v[m][1][i] ^ tl.v[m][2][i] ^ tl.v[m][3][i];
+      sink ^= __float_as_uint(
+          __half2float(tl.ks[m][0]) + __half2float(tl.ks[m][1]) + __half2float(tl.vs[m][0]) +
+          __half2float(tl.vs[m][1]));
     }
     return;
 #endif
@@ -1182,8 +1241,8 @@ tq_attention_mma_kernel(
             break;
           }
           __syncwarp(); // every lane is done with tile i's stage
-          tq_mma_stage_copy<D, KB, VB, NRB>(ring + cur * C::STAGE_BYTES, c, sl,
-                                            t0 + C::STAGES * C::STEP, t_end, lane);
+          tq_mma_stage_copy<D, KB, VB, NRB>(
+              ring + cur * C::STAGE_BYTES, c, sl, t0 + C::STAGES * C::STEP, t_end, lane);
           cur = cur == C::STAGES - 1 ? 0 : cur + 1;
           tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of tile i+1 landed
           __syncwarp(); // and every lane's
@@ -1227,8 +1286,13 @@ tq_attention_mma_kernel(
             __syncwarp();
           }
           const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
-          tq_mma_stage_copy<D, KB, VB, NRB>(ring + fill * C::STAGE_BYTES, c, sl,
-              TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
+          tq_mma_stage_copy<D, KB, VB, NRB>(
+              ring + fill * C::STAGE_BYTES,
+              c,
+              sl,
+              TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP,
+              t_end,
+              lane);
           tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
           __syncwarp(); // and every lane's
           TQMmaTile<D, KB, VB, NRB> tl;
@@ -1251,12 +1315,14 @@ tq_attention_mma_kernel(
     take_queries();
     for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
       run(ta, t0);
-      tq_mma_load<D, KB, VB, NRB>(ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
+      tq_mma_load<D, KB, VB, NRB>(
+          ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
       if (t0 + C::STEP >= t_end) {
         break;
       }
       run(tb, t0 + C::STEP);
-      tq_mma_load<D, KB, VB, NRB>(tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
+      tq_mma_load<D, KB, VB, NRB>(
+          tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
     }
   }
   TQ_MMA_MARK(8); // this warp's keys done
@@ -1375,11 +1441,25 @@ tq_attention_mma_kernel(
     unsigned int sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const unsigned long long gt1 = tq_globaltimer();
-    printf("TQT %d %d %d %u %llu %llu %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-           chunk, split, int(blockIdx.z), sm, tq_gt0, gt1, tq_cy[1] - tq_cy[0], tq_cy[2] - tq_cy[0],
-           tq_cy[3] - tq_cy[0], tq_cy[4] - tq_cy[0], tq_cy[5] - tq_cy[0], tq_cy[6] - tq_cy[0],
-           tq_cy[7] - tq_cy[0], tq_cy[8] - tq_cy[0], tq_cy[9] - tq_cy[0], tq_cy[10] - tq_cy[0],
-           tq_cy[11] - tq_cy[0]);
+    printf(
+        "TQT %d %d %d %u %llu %llu %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+        chunk,
+        split,
+        int(blockIdx.z),
+        sm,
+        tq_gt0,
+        gt1,
+        tq_cy[1] - tq_cy[0],
+        tq_cy[2] - tq_cy[0],
+        tq_cy[3] - tq_cy[0],
+        tq_cy[4] - tq_cy[0],
+        tq_cy[5] - tq_cy[0],
+        tq_cy[6] - tq_cy[0],
+        tq_cy[7] - tq_cy[0],
+        tq_cy[8] - tq_cy[0],
+        tq_cy[9] - tq_cy[0],
+        tq_cy[10] - tq_cy[0],
+        tq_cy[11] - tq_cy[0]);
   }
 #endif
 
@@ -1420,13 +1500,32 @@ tq_attention_mma_kernel(
         th.simd = th.tid / 32;
         if (q_bf16) {
           tq_attention_merge_impl<unsigned short, D, true>( // (bfloat16 bits, as the merge kernel)
-              o_part, ml_part, static_cast<const unsigned short*>(q),
-              static_cast<const unsigned short*>(tail_k), static_cast<const unsigned short*>(tail_v),
-              key_mean, value_mean, out, lse, mp, gsmem, th);
+              o_part,
+              ml_part,
+              static_cast<const unsigned short*>(q),
+              static_cast<const unsigned short*>(tail_k),
+              static_cast<const unsigned short*>(tail_v),
+              key_mean,
+              value_mean,
+              out,
+              lse,
+              mp,
+              gsmem,
+              th);
         } else {
           tq_attention_merge_impl<__half, D, true>(
-              o_part, ml_part, static_cast<const __half*>(q), static_cast<const __half*>(tail_k),
-              static_cast<const __half*>(tail_v), key_mean, value_mean, out, lse, mp, gsmem, th);
+              o_part,
+              ml_part,
+              static_cast<const __half*>(q),
+              static_cast<const __half*>(tail_k),
+              static_cast<const __half*>(tail_v),
+              key_mean,
+              value_mean,
+              out,
+              lse,
+              mp,
+              gsmem,
+              th);
         }
       }
     }
@@ -1453,8 +1552,11 @@ struct TQMmaShape {
 inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
   TQMmaShape s{0, 0, 0, 0, false, false};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
-    typedef TQMmaConfig<decltype(dd)::value, decltype(kk)::value, decltype(vv)::value,
-                        decltype(nn)::value>
+    typedef TQMmaConfig<
+        decltype(dd)::value,
+        decltype(kk)::value,
+        decltype(vv)::value,
+        decltype(nn)::value>
         C;
     s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED, C::FUSED_MERGE};
   };

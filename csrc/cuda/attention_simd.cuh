@@ -28,8 +28,21 @@ __global__ void __launch_bounds__(TQ_ATTN_THREADS, 1) tq_attention_simd_kernel(
     const __grid_constant__ TQAttnParams p) {
   __shared__ float smem[TQAttnSimdConfig<D>::SMEM];
   tq_attention_simd_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, tq_thread());
+      q,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      k_cent,
+      v_cent,
+      mask,
+      out,
+      lse,
+      o_part,
+      ml_part,
+      p,
+      smem,
+      tq_thread());
 }
 
 /// The simdgroup-matrix kernel for head dim D, runtime bits and query type (float16 or

@@ -444,7 +444,10 @@ bool dense_tokens(const mx::array& a) {
 /// `dense`: a dense token axis too), else a contiguous copy (a temporary of this launch).
 /// Scales go through it too, with slice_bits 0 (element loads: only `dense` applies).
 mx::array readable_codes(
-    const mx::array& codes, int slice_bits, bool dense, mx::cu::CommandEncoder& enc) {
+    const mx::array& codes,
+    int slice_bits,
+    bool dense,
+    mx::cu::CommandEncoder& enc) {
   if (vector_aligned(codes, slice_bits) && (!dense || dense_tokens(codes))) {
     return codes;
   }
@@ -458,7 +461,13 @@ mx::array readable_codes(
 /// TURBOQUANT_CUDA_ATTENTION=simt (or =simd: the simdgroup-matrix kernel, see
 /// simd_kernel_for).
 const void* mma_kernel_for(
-    const mx::array& q, int d, int kb, int vb, int nrb, int kv_len, int device) {
+    const mx::array& q,
+    int d,
+    int kb,
+    int vb,
+    int nrb,
+    int kv_len,
+    int device) {
   if (q.dtype() != mx::float16 && q.dtype() != mx::bfloat16) {
     return nullptr;
   }
@@ -493,8 +502,8 @@ const void* simd_kernel_for(const mx::array& q, int d, int kb, int vb) {
     return nullptr;
   }
   const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
-      : q.dtype() == mx::bfloat16              ? ck::QType::BFloat16
-                                               : ck::QType::Float32;
+      : q.dtype() == mx::bfloat16               ? ck::QType::BFloat16
+                                                : ck::QType::Float32;
   if (qt == ck::QType::Float32) {
     return nullptr;
   }
@@ -611,8 +620,17 @@ void quantize_append_part(
   register_part(pp, enc);
   ck::TQQuantArgs a = pp.args; // (the encoder takes lvalues)
   enc.add_kernel_node_ex(
-      f, quantize_grid(pp.vectors, 1), dim3(TQ_QUANT_THREADS), dim3(), 0u, a.x, a.cent, a.mean,
-      a.codes, a.scales, a.p);
+      f,
+      quantize_grid(pp.vectors, 1),
+      dim3(TQ_QUANT_THREADS),
+      dim3(),
+      0u,
+      a.x,
+      a.cent,
+      a.mean,
+      a.codes,
+      a.scales,
+      a.p);
 }
 
 bool quantize_append_at_once(
@@ -742,8 +760,8 @@ void attention(
         sym = lo ? ck::attention_kernel_f16_lo(D, kb, vb) : ck::attention_kernel_f16_hi(D, kb, vb);
         break;
       case mx::bfloat16:
-        sym = lo ? ck::attention_kernel_bf16_lo(D, kb, vb)
-                 : ck::attention_kernel_bf16_hi(D, kb, vb);
+        sym =
+            lo ? ck::attention_kernel_bf16_lo(D, kb, vb) : ck::attention_kernel_bf16_hi(D, kb, vb);
         break;
       default:
         throw std::invalid_argument(
@@ -767,12 +785,14 @@ void attention(
     enc.add_temporary(o_part);
     enc.add_temporary(ml_part);
     if (ap.has_tail) {
-      tail = {last_axis_contiguous(inputs[ap.tail_input()], enc),
-              last_axis_contiguous(inputs[ap.tail_input() + 1], enc)};
+      tail = {
+          last_axis_contiguous(inputs[ap.tail_input()], enc),
+          last_axis_contiguous(inputs[ap.tail_input() + 1], enc)};
     }
     if (ap.centered) {
-      means = {row_contiguous(inputs[ap.mean_input()], enc),
-               row_contiguous(inputs[ap.mean_input() + 1], enc)};
+      means = {
+          row_contiguous(inputs[ap.mean_input()], enc),
+          row_contiguous(inputs[ap.mean_input() + 1], enc)};
     }
     mp = merge_params(qk, ap, tail, means, Hkv, splits);
   }
@@ -839,13 +859,51 @@ void attention(
     set_max_dynamic_smem(mma_sym, msh.smem);
     int q_bf16 = q.dtype() == mx::bfloat16 ? 1 : 0;
     enc.add_kernel_node_ex(
-        f, grid, dim3(msh.threads), dim3(), static_cast<unsigned>(msh.smem), qp, kcp, ksp,
-        vcp, vsp, kcentp, vcentp, mask_ptr, outp, lsep, op, mlp, p, q_bf16, merge_count, tkp,
-        tvp, kmp, vmp, mp);
+        f,
+        grid,
+        dim3(msh.threads),
+        dim3(),
+        static_cast<unsigned>(msh.smem),
+        qp,
+        kcp,
+        ksp,
+        vcp,
+        vsp,
+        kcentp,
+        vcentp,
+        mask_ptr,
+        outp,
+        lsep,
+        op,
+        mlp,
+        p,
+        q_bf16,
+        merge_count,
+        tkp,
+        tvp,
+        kmp,
+        vmp,
+        mp);
   } else {
     enc.add_kernel_node_ex(
-        f, grid, dim3(TQ_ATTN_THREADS), dim3(), 0u, qp, kcp, ksp, vcp, vsp, kcentp, vcentp,
-        mask_ptr, outp, lsep, op, mlp, p);
+        f,
+        grid,
+        dim3(TQ_ATTN_THREADS),
+        dim3(),
+        0u,
+        qp,
+        kcp,
+        ksp,
+        vcp,
+        vsp,
+        kcentp,
+        vcentp,
+        mask_ptr,
+        outp,
+        lsep,
+        op,
+        mlp,
+        p);
   }
 
   if (partials && merge_count == nullptr) {
@@ -855,8 +913,8 @@ void attention(
           "[turboquant_mlx.compressed_attention] out_dtype must be float32 or the queries' "
           "dtype on CUDA.");
     }
-    auto fm = get_function(
-        ck::attention_merge_kernel(D, qt, !out_f32), "compressed_attention merge");
+    auto fm =
+        get_function(ck::attention_merge_kernel(D, qt, !out_f32), "compressed_attention merge");
     enc.set_input_array(o_part);
     enc.set_input_array(ml_part);
     final_node_io();
@@ -864,8 +922,21 @@ void attention(
     const float* mlc = mlp;
     void* outv = mx::gpu_ptr<void>(out);
     enc.add_kernel_node_ex(
-        fm, dim3(rows_total), dim3(TQ_MERGE_THREADS), dim3(), 0u, opc, mlc, qp, tkp, tvp,
-        kmp, vmp, outv, lsep, mp);
+        fm,
+        dim3(rows_total),
+        dim3(TQ_MERGE_THREADS),
+        dim3(),
+        0u,
+        opc,
+        mlc,
+        qp,
+        tkp,
+        tvp,
+        kmp,
+        vmp,
+        outv,
+        lsep,
+        mp);
   }
 }
 

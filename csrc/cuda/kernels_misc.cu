@@ -10,9 +10,8 @@ const void* attention_merge_kernel(int d, QType q, bool out_in_q_type) {
     constexpr int D = decltype(dd)::value;
     auto pick = [&](auto qt) {
       using QT = decltype(qt);
-      k = out_in_q_type
-          ? reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, QT>)
-          : reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, float>);
+      k = out_in_q_type ? reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, QT>)
+                        : reinterpret_cast<const void*>(&tq_attention_merge_kernel<QT, D, float>);
     };
     switch (q) {
       case QType::Float32: pick(0.0f); break;
@@ -67,8 +66,7 @@ const void* copy_kernel(int itemsize, bool pair) {
     case 2:
       return pair ? reinterpret_cast<const void*>(&tq_copy_pair_kernel<unsigned short>)
                   : reinterpret_cast<const void*>(&tq_copy_kernel<unsigned short>);
-    default:
-      return nullptr;
+    default: return nullptr;
   }
 }
 

@@ -96,12 +96,20 @@ std::vector<float> simdgroup_matrix_check(
   if (a.size() != 64 || b.size() != 64 || c.size() != 64) {
     throw std::invalid_argument(message(
         "[turboquant_mlx._simdgroup_matrix_check] a, b and c must hold 64 values (8x8), "
-        "got ", a.size(), ", ", b.size(), " and ", c.size(), "."));
+        "got ",
+        a.size(),
+        ", ",
+        b.size(),
+        " and ",
+        c.size(),
+        "."));
   }
   auto check = [](cudaError_t err, const char* what) {
     if (err != cudaSuccess) {
       throw std::runtime_error(message(
-          "[turboquant_mlx._simdgroup_matrix_check] CUDA error in ", what, ": ",
+          "[turboquant_mlx._simdgroup_matrix_check] CUDA error in ",
+          what,
+          ": ",
           cudaGetErrorString(err)));
     }
   };
@@ -112,11 +120,14 @@ std::vector<float> simdgroup_matrix_check(
   try {
     check(cudaMemcpy(dev, a.data(), 64 * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
     check(cudaMemcpy(dev + 64, b.data(), 64 * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
-    check(cudaMemcpy(dev + 128, c.data(), 64 * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+    check(
+        cudaMemcpy(dev + 128, c.data(), 64 * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
     check(cudaMemset(dev + 192, 0xff, n_out * sizeof(float)), "cudaMemset"); // NaN: unwritten
     cuda_kernels::simdgroup_matrix_check_kernel<<<1, 32>>>(dev, dev + 64, dev + 128, dev + 192);
     check(cudaGetLastError(), "launch");
-    check(cudaMemcpy(out.data(), dev + 192, n_out * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(
+        cudaMemcpy(out.data(), dev + 192, n_out * sizeof(float), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
   } catch (...) {
     cudaFree(dev);
     throw;

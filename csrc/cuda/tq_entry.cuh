@@ -36,8 +36,21 @@ __global__ void __launch_bounds__(TQ_ATTN_THREADS) tq_attention_kernel(
     const __grid_constant__ TQAttnParams p) {
   __shared__ float smem[TQAttnConfig<D>::SMEM];
   tq_attention_impl<QT, D, KB, VB>(
-      q, k_codes, k_scales, v_codes, v_scales, k_cent, v_cent, mask, out, lse, o_part,
-      ml_part, p, smem, tq_thread());
+      q,
+      k_codes,
+      k_scales,
+      v_codes,
+      v_scales,
+      k_cent,
+      v_cent,
+      mask,
+      out,
+      lse,
+      o_part,
+      ml_part,
+      p,
+      smem,
+      tq_thread());
 }
 
 template <typename QT, int D, typename OT>
@@ -83,8 +96,10 @@ __global__ void __launch_bounds__(TQ_DEQUANT_THREADS) tq_dequantize_kernel(
 }
 
 template <typename T>
-__global__ void __launch_bounds__(TQ_COPY_THREADS)
-    tq_copy_kernel(const T* __restrict__ src, T* __restrict__ dst, const __grid_constant__ TQCopyParams p) {
+__global__ void __launch_bounds__(TQ_COPY_THREADS) tq_copy_kernel(
+    const T* __restrict__ src,
+    T* __restrict__ dst,
+    const __grid_constant__ TQCopyParams p) {
   tq_copy_impl<T>(src, dst, p, tq_thread());
 }
 

@@ -244,7 +244,7 @@ void quantize_append_part(
       part.centered ? &mean : nullptr);
   std::ostringstream name;
   name << "tq_quantize_"
-       << (x.dtype() == mx::float16       ? "float16"
+       << (x.dtype() == mx::float16        ? "float16"
                : x.dtype() == mx::bfloat16 ? "bfloat16"
                                            : "float32")
        << "_d" << head_dim << "_b" << part.bits;
@@ -335,19 +335,20 @@ void attention(
   enc.set_output_array(o_part, 10);
   enc.set_output_array(ml_part, 11);
   enc.set_bytes(p, 12);
-  enc.dispatch_threadgroups(
-      MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
+  enc.dispatch_threadgroups(MTL::Size(n_chunks, splits, B * Hkv), MTL::Size(TQ_ATTN_THREADS, 1, 1));
 
   if (partials) {
     // The tail (q's dtype, see ops.cpp) and the means, as the merge reads them.
     std::vector<mx::array> tail, means;
     if (ap.has_tail) {
-      tail = {last_axis_contiguous(inputs[ap.tail_input()], d, s),
-              last_axis_contiguous(inputs[ap.tail_input() + 1], d, s)};
+      tail = {
+          last_axis_contiguous(inputs[ap.tail_input()], d, s),
+          last_axis_contiguous(inputs[ap.tail_input() + 1], d, s)};
     }
     if (ap.centered) {
-      means = {row_contiguous(inputs[ap.mean_input()], d, s),
-               row_contiguous(inputs[ap.mean_input() + 1], d, s)};
+      means = {
+          row_contiguous(inputs[ap.mean_input()], d, s),
+          row_contiguous(inputs[ap.mean_input() + 1], d, s)};
     }
     const TQMergeParams mp = merge_params(q, ap, tail, means, Hkv, splits);
     std::ostringstream merge;
@@ -389,7 +390,8 @@ void dequantize(
   auto& codes = inputs[0];
   auto& scales = inputs[1];
   auto& out = outputs[0];
-  prim.place_output(inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
+  prim.place_output(
+      inputs, out, [](mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); });
   const TQDequantParams p = dequantize_params(prim, codes, scales, out);
   const int64_t total = int64_t(out.size());
   if (total == 0) {

@@ -9,11 +9,19 @@ _MASK_MEMO = {}  # the last decode step's compressed-column mask and its layout
 
 # The single cache's settings a batch keeps (all of them but the runtime ones).
 _SETTINGS = (
-    "key_bits", "value_bits", "seed", "fp16_sink_tokens", "fp16_recent_tokens",
-    "rollback_tokens", "center", "query_aware_keys", "rope_pairing", "rope_dims",
-    "calibration_tokens", "rotate_values",
+    "key_bits",
+    "value_bits",
+    "seed",
+    "fp16_sink_tokens",
+    "fp16_recent_tokens",
+    "rollback_tokens",
+    "center",
+    "query_aware_keys",
+    "rope_pairing",
+    "rope_dims",
+    "calibration_tokens",
+    "rotate_values",
 )
-
 
 
 def _settings_of(cache) -> dict:

@@ -96,8 +96,14 @@ def merge_attention(parts: Sequence[Tuple[mx.array, mx.array]]):
     return out, m + mx.log(total)
 
 
-def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None,
-                    max_score_bytes: Optional[int] = None):
+def dense_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask=None,
+    max_score_bytes: Optional[int] = None,
+):
     """Attention with its log-sum-exp, on uncompressed keys and values.
 
     Args:
@@ -127,8 +133,10 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=No
                 if mask is not None and mask.ndim >= 2 and mask.shape[-2] == L:
                     m = mask[..., a:b, :]
                 parts.append(dense_attention(q[:, :, a:b], k, v, scale, m))
-            return (mx.concatenate([o for o, _ in parts], axis=2),
-                    mx.concatenate([x for _, x in parts], axis=2))
+            return (
+                mx.concatenate([o for o, _ in parts], axis=2),
+                mx.concatenate([x for _, x in parts], axis=2),
+            )
     G = n_q // n_kv
     qf = q.astype(mx.float32).reshape(B, n_kv, G, L, D)
     kf = k.astype(mx.float32)[:, :, None]

@@ -139,8 +139,10 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
 
     def _index_arrays(self):
         if self._arrays is None:
-            self._arrays = (mx.array(self._pad, dtype=mx.int32),
-                            mx.array([self._idx - p for p in self._pad], dtype=mx.int32))
+            self._arrays = (
+                mx.array(self._pad, dtype=mx.int32),
+                mx.array([self._idx - p for p in self._pad], dtype=mx.int32),
+            )
         return self._arrays
 
     @property
@@ -259,7 +261,9 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
                 f"{keys.shape[-1]} and {values.shape[-1]}."
             )
         if self._head_dim is not None and (keys.shape[1], keys.shape[3]) != (
-                self._H, self._head_dim):
+            self._H,
+            self._head_dim,
+        ):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
                 f"(H_kv, D) = {(self._H, self._head_dim)}."
@@ -277,7 +281,8 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             # the codec when those columns are quantized for other rows.
             cols = mx.arange(self._idx, self._idx + L)[None, :]
             keep = (cols >= mx.array(self._pad)[:, None]) & (
-                cols < mx.array([self._idx + L - r for r in rp])[:, None])
+                cols < mx.array([self._idx + L - r for r in rp])[:, None]
+            )
             keep = keep[:, None, :, None]
             keys = mx.where(keep, keys, 0)
             values = mx.where(keep, values, 0)
@@ -305,8 +310,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         cache) or ``right_padding`` (undone by :meth:`finalize`)."""
         if left_padding is not None:
             if not self.empty():
-                raise ValueError(
-                    f"{_PREFIX} left padding can only be added to an empty cache.")
+                raise ValueError(f"{_PREFIX} left padding can only be added to an empty cache.")
             self._pad = [p + int(q) for p, q in zip(self._pad, left_padding)]
             self._cend = [p + self.fp16_sink_tokens for p in self._pad]
             self._changed()
@@ -323,7 +327,8 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             self._dv = _roll_rows(self._dv[:, :, :n], shifts)
             if self._kc is not None:
                 self._kc, self._ks, self._vc, self._vs = (
-                    _roll_rows(a, shifts) for a in (self._kc, self._ks, self._vc, self._vs))
+                    _roll_rows(a, shifts) for a in (self._kc, self._ks, self._vc, self._vs)
+                )
             self._private = self._dpriv = True
             # Each row's codes moved with it; its fp16 columns before d0 + shift are
             # what wrapped around (its right padding), so its codes stay as they are.
@@ -350,8 +355,18 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
     def state(self):
         """The arrays (what ``mx.eval`` needs after a prompt block)."""
         self._settle()
-        arrays = [self._dk, self._dv, self._sk, self._sv, self._kc, self._ks, self._vc,
-                  self._vs, self._mu_k, self._mu_v]
+        arrays = [
+            self._dk,
+            self._dv,
+            self._sk,
+            self._sv,
+            self._kc,
+            self._ks,
+            self._vc,
+            self._vs,
+            self._mu_k,
+            self._mu_v,
+        ]
         return [a for a in arrays if a is not None] + list(self._index_arrays())
 
     @state.setter
@@ -374,25 +389,36 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
 
     @property
     def nbytes(self) -> int:
-        arrays = [self._dk, self._dv, self._sk, self._sv, self._kc, self._ks, self._vc,
-                  self._vs, self._mu_k, self._mu_v]
+        arrays = [
+            self._dk,
+            self._dv,
+            self._sk,
+            self._sv,
+            self._kc,
+            self._ks,
+            self._vc,
+            self._vs,
+            self._mu_k,
+            self._mu_v,
+        ]
         return sum(a.nbytes for a in arrays if a is not None)
 
     def __deepcopy__(self, memo):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = (value if isinstance(value, mx.Dtype)
-                                 else copy.deepcopy(value, memo))
+            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
         # A deep copy shares the arrays' buffers: neither may write them in place.
         self._private = new._private = False
         self._dpriv = new._dpriv = False
         return new
 
     def __repr__(self):
-        return (f"BatchTurboQuantKVCache(B={len(self._pad)}, columns={self._idx}, "
-                f"K{self.key_bits}V{self.value_bits}, sinks={self.fp16_sink_tokens}, "
-                f"window={self.fp16_recent_tokens}, center={self.center})")
+        return (
+            f"BatchTurboQuantKVCache(B={len(self._pad)}, columns={self._idx}, "
+            f"K{self.key_bits}V{self.value_bits}, sinks={self.fp16_sink_tokens}, "
+            f"window={self.fp16_recent_tokens}, center={self.center})"
+        )
 
 
 register_cache_class(BatchTurboQuantKVCache)

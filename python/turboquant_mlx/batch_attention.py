@@ -68,10 +68,25 @@ class _BatchAttention:
 
     def _op(self, queries, scale, op_mask, tail=(None, None), final=False):
         return ops.compressed_attention(
-            queries, self._kc, self._ks, self._vc, self._vs, self._k_centroids,
-            self._v_centroids, self._W, scale, self.key_bits, self.value_bits, False,
-            op_mask, tail_k=tail[0], tail_v=tail[1], rotation_signs=self._signs,
-            rotate_output=self.rotate_values, key_mean=self._mu_k, value_mean=self._mu_v,
+            queries,
+            self._kc,
+            self._ks,
+            self._vc,
+            self._vs,
+            self._k_centroids,
+            self._v_centroids,
+            self._W,
+            scale,
+            self.key_bits,
+            self.value_bits,
+            False,
+            op_mask,
+            tail_k=tail[0],
+            tail_v=tail[1],
+            rotation_signs=self._signs,
+            rotate_output=self.rotate_values,
+            key_mean=self._mu_k,
+            value_mean=self._mu_v,
             out_dtype=queries.dtype if final else None,
         )
 
@@ -80,8 +95,7 @@ class _BatchAttention:
         from column ``a`` (causal for a block: a row's block may be compressed), or
         None when every row sees all ``W``."""
         W = self._W
-        if (mask is None and L == 1 and all(x == 0 for x in lo)
-                and all(c == W for c in self._cend)):
+        if mask is None and L == 1 and all(x == 0 for x in lo) and all(c == W for c in self._cend):
             return None
         memo = None
         if mask is None and L == 1 and a == 0:
@@ -93,8 +107,9 @@ class _BatchAttention:
         keep = (cols >= mx.array(lo)[:, None]) & (cols < mx.array(self._cend)[:, None])
         keep = keep[:, None, None, :]
         if L > 1:
-            keep = keep & (cols[:, None, None, :]
-                           <= mx.arange(self._idx - L, self._idx)[None, None, :, None])
+            keep = keep & (
+                cols[:, None, None, :] <= mx.arange(self._idx - L, self._idx)[None, None, :, None]
+            )
         if mask is not None:
             keep = keep & mask[..., a:W]
         if memo is not None:
@@ -106,8 +121,13 @@ class _BatchAttention:
         with them as the tail (None where a row does not)."""
         S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
         W, idx, d0 = self._W, self._idx, self._d0
-        if (W == 0 or self._kc is None or any(n < S for n in self._ns)
-                or any(c != idx - R for c in self._cend) or S + R > ops.MAX_TAIL_TOKENS):
+        if (
+            W == 0
+            or self._kc is None
+            or any(n < S for n in self._ns)
+            or any(c != idx - R for c in self._cend)
+            or S + R > ops.MAX_TAIL_TOKENS
+        ):
             return None
         ks, vs = [], []
         if S:
@@ -118,8 +138,10 @@ class _BatchAttention:
             vs.append(self._dv[:, :, W - d0 : idx - d0])
         tail = (None, None)
         if ks:
-            tail = (ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
-                    vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2))
+            tail = (
+                ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2),
+                vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2),
+            )
         lo = [p + S for p in self._pad]
         return self._op(queries, scale, self._comp_mask(1, lo), tail, final=True)[0]
 
@@ -145,8 +167,14 @@ class _BatchAttention:
         if self.center:
             k = k + self._mu_k
             v = v + self._mu_v
-        return dense_attention(queries, k, v, scale, self._comp_mask(L, lo, mask, a),
-                               max_score_bytes=self.prefill_budget_bytes)
+        return dense_attention(
+            queries,
+            k,
+            v,
+            scale,
+            self._comp_mask(L, lo, mask, a),
+            max_score_bytes=self.prefill_budget_bytes,
+        )
 
     def _dense_part(self, queries, scale, mask):
         """``(out, lse)`` over the sinks and the fp16 columns each row sees."""
@@ -158,7 +186,8 @@ class _BatchAttention:
         cols = mx.arange(a, idx)
         q_cols = mx.arange(idx - L, idx)
         keep = (cols[None, None, :] >= mx.array(lo)[:, None, None]) & (
-            cols[None, None, :] <= q_cols[None, :, None])  # (B, L, n)
+            cols[None, None, :] <= q_cols[None, :, None]
+        )  # (B, L, n)
         keep = keep[:, None]
         if mask is not None:
             keep = keep & mask[..., a:idx]
@@ -167,7 +196,8 @@ class _BatchAttention:
         if S and max(self._ns) > 0:
             s_cols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]  # (B, S)
             s_keep = (mx.arange(S)[None, :] < mx.array(self._ns)[:, None])[:, None, :] & (
-                s_cols[:, None, :] <= q_cols[None, :, None])  # (B, L, S): causal
+                s_cols[:, None, :] <= q_cols[None, :, None]
+            )  # (B, L, S): causal
             s_keep = s_keep[:, None]
             if mask is not None:
                 scols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]
@@ -178,7 +208,9 @@ class _BatchAttention:
                 s_keep = s_keep & mx.take_along_axis(m, scols, axis=-1)
             k = mx.concatenate([self._sk, k], axis=2)
             v = mx.concatenate([self._sv, v], axis=2)
-            keep = mx.concatenate([s_keep, mx.broadcast_to(keep, s_keep.shape[:3]
-                                                           + keep.shape[3:])], axis=-1)
-        return dense_attention(queries, k, v, scale, keep,
-                               max_score_bytes=self.prefill_budget_bytes)
+            keep = mx.concatenate(
+                [s_keep, mx.broadcast_to(keep, s_keep.shape[:3] + keep.shape[3:])], axis=-1
+            )
+        return dense_attention(
+            queries, k, v, scale, keep, max_score_bytes=self.prefill_budget_bytes
+        )

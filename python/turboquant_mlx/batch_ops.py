@@ -26,8 +26,8 @@ class _BatchOperations:
         for c in caches:
             if type(c) is not single or not hasattr(c, "_state_arrays"):
                 raise ValueError(
-                    f"{_PREFIX} merge takes TurboQuantKVCache of one class, got "
-                    f"{type(c).__name__}.")
+                    f"{_PREFIX} merge takes TurboQuantKVCache of one class, got {type(c).__name__}."
+                )
         settings = _settings_of(caches[0])
         for c in caches[1:]:
             if _settings_of(c) != settings:
@@ -38,20 +38,21 @@ class _BatchOperations:
         full = [c for c in caches if not c.empty()]
         dtypes = {c.window_dtype for c in full}
         if len(dtypes) > 1:
-            raise ValueError(
-                f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
+            raise ValueError(f"{_PREFIX} merge of caches with different window dtypes {dtypes}.")
         lengths = [c.size() for c in caches]
         n = max(lengths)
-        batch = cls(settings, [n - m for m in lengths],
-                    window_dtype=next(iter(dtypes)) if dtypes else caches[0].window_dtype)
+        batch = cls(
+            settings,
+            [n - m for m in lengths],
+            window_dtype=next(iter(dtypes)) if dtypes else caches[0].window_dtype,
+        )
         batch._single = single
         if not full:
             return batch
         ref = full[0]
         if ref.padded:
             raise ValueError(
-                f"{_PREFIX} head dim {ref.head_dim} (stored padded) is not supported in a "
-                "batch."
+                f"{_PREFIX} head dim {ref.head_dim} (stored padded) is not supported in a batch."
             )
         H = ref._batch_heads[1]
         for c in full:
@@ -150,8 +151,7 @@ class _BatchOperations:
         empty16 = mx.zeros((0,), mx.float16)
         comp = [empty16.astype(mx.uint32), empty16, empty16.astype(mx.uint32), empty16]
         if nc:
-            comp = [rows(a, p + S, p + S + nc)
-                    for a in (self._kc, self._ks, self._vc, self._vs)]
+            comp = [rows(a, p + S, p + S + nc) for a in (self._kc, self._ks, self._vc, self._vs)]
         sinks = [empty16, empty16]
         if ns:
             sinks = [rows(self._sk, 0, ns), rows(self._sv, 0, ns)]
@@ -166,8 +166,10 @@ class _BatchOperations:
             ws = S
         window = [empty16, empty16]
         if ws < held:
-            window = [rows(self._dk, p + ws - d0, self._idx - d0),
-                      rows(self._dv, p + ws - d0, self._idx - d0)]
+            window = [
+                rows(self._dk, p + ws - d0, self._idx - d0),
+                rows(self._dv, p + ws - d0, self._idx - d0),
+            ]
         levers = [mx.zeros((0,), mx.float32)] * 4
         if cal and self.center:
             levers[0] = mx.array(self._mu_k[b : b + 1])
@@ -185,8 +187,12 @@ class _BatchOperations:
     def filter(self, batch_indices):
         """Keeps the rows ``batch_indices`` (in that order)."""
         self._settle()
-        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array)
-                                 else batch_indices)]
+        keep = [
+            int(i)
+            for i in (
+                batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
+            )
+        ]
         sel = mx.array(keep, dtype=mx.int32)
         self._pad = [self._pad[i] for i in keep]
         self._ns = [self._ns[i] for i in keep]
@@ -219,7 +225,8 @@ class _BatchOperations:
             self._dlo = max(self._d0, self._dlo - m)
             if self._kc is not None:
                 self._kc, self._ks, self._vc, self._vs = (
-                    a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs))
+                    a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs)
+                )
             self._floor = max(0, self._floor - m)
             self._private = self._dpriv = False
         self._changed()
@@ -237,7 +244,8 @@ class _BatchOperations:
         ref = self if self._dk is not None else other
         if ref._dk is None:  # both empty
             self._pad = [p + idx - self._idx for p in self._pad] + [
-                p + idx - other._idx for p in other._pad]
+                p + idx - other._idx for p in other._pad
+            ]
             self._ns += other._ns
             self._cal += other._cal
             self._idx = idx
@@ -256,8 +264,12 @@ class _BatchOperations:
         ccap = -(-idx // self.step) * self.step if any_codes else 0
 
         def no_codes(Bc):
-            return [mx.zeros((Bc, H, ccap, wk), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16),
-                    mx.zeros((Bc, H, ccap, wv), mx.uint32), mx.zeros((Bc, H, ccap), mx.float16)]
+            return [
+                mx.zeros((Bc, H, ccap, wk), mx.uint32),
+                mx.zeros((Bc, H, ccap), mx.float16),
+                mx.zeros((Bc, H, ccap, wv), mx.uint32),
+                mx.zeros((Bc, H, ccap), mx.float16),
+            ]
 
         def place(c, Bc):
             shift = idx - c._idx
@@ -272,7 +284,7 @@ class _BatchOperations:
             n = c._idx - c._d0
 
             def fit(x, lead, total):
-                x = x[:, :, :max(0, min(x.shape[2], total - lead))]
+                x = x[:, :, : max(0, min(x.shape[2], total - lead))]
                 widths = [(0, 0)] * x.ndim
                 widths[2] = (lead, total - lead - x.shape[2])
                 return mx.pad(x, widths)
@@ -299,16 +311,19 @@ class _BatchOperations:
             self._sv = mx.concatenate([a_[3], b_[3]])
         if any_codes:
             self._kc, self._ks, self._vc, self._vs = (
-                mx.concatenate([x, y]) for x, y in zip(a_[4], b_[4]))
+                mx.concatenate([x, y]) for x, y in zip(a_[4], b_[4])
+            )
         if self.center:
             self._mu_k = mx.concatenate([a_[5][0], b_[5][0]])
             self._mu_v = mx.concatenate([a_[5][1], b_[5][1]])
         self._pad = [p + idx - self._idx for p in self._pad] + [
-            p + idx - other._idx for p in other._pad]
+            p + idx - other._idx for p in other._pad
+        ]
         self._ns = self._ns + other._ns
         self._cal = self._cal + other._cal
         self._cend = [c + idx - self._idx for c in self._cend] + [
-            c + idx - other._idx for c in other._cend]
+            c + idx - other._idx for c in other._cend
+        ]
         self._idx = idx
         self._d0 = d0
         self._dlo = max(d0, dlo)
@@ -333,8 +348,10 @@ class _BatchOperations:
         if n:
             self._idx -= n
             S, R = self.fp16_sink_tokens, self.fp16_recent_tokens
-            self._cend = [min(c, max(p + S, self._idx - R)) if cal else c
-                          for c, p, cal in zip(self._cend, self._pad, self._cal)]
+            self._cend = [
+                min(c, max(p + S, self._idx - R)) if cal else c
+                for c, p, cal in zip(self._cend, self._pad, self._cal)
+            ]
             self._private = self._dpriv = False
             self._changed()
         return n

@@ -47,8 +47,9 @@ class _RowSettling:
         s = mx.arange(S)
         cols = mx.clip(mx.array(pad)[:, None] + s[None, :] - d0, 0, idx - d0 - 1)
         cols = mx.broadcast_to(cols[:, None, :, None], self._sk.shape)
-        new = ((s[None, :] >= mx.array(self._ns)[:, None])
-               & (s[None, :] < mx.array(want)[:, None]))[:, None, :, None]
+        new = (
+            (s[None, :] >= mx.array(self._ns)[:, None]) & (s[None, :] < mx.array(want)[:, None])
+        )[:, None, :, None]
         self._sk = mx.where(new, mx.take_along_axis(self._dk, cols, axis=2), self._sk)
         self._sv = mx.where(new, mx.take_along_axis(self._dv, cols, axis=2), self._sv)
         self._ns = [max(w, n) for w, n in zip(want, self._ns)]
@@ -66,20 +67,26 @@ class _RowSettling:
         # Without a window, the single cache answers a block of at most
         # decode_max_queries tokens as single-token steps, which read the block's
         # tokens quantized too (a calibrated row's).
-        steps = [R == 0 and c and 0 < e - start <= self.decode_max_queries
-                 for c, e in zip(self._cal, ends)]
+        steps = [
+            R == 0 and c and 0 < e - start <= self.decode_max_queries
+            for c, e in zip(self._cal, ends)
+        ]
         self._capture_sinks(ends)
         self._calibrate_rows(ends)
-        self._compress_to([max(p + S, e if st else min(e - R, start))
-                           for p, e, st in zip(self._pad, ends, steps)])
+        self._compress_to(
+            [max(p + S, e if st else min(e - R, start)) for p, e, st in zip(self._pad, ends, steps)]
+        )
 
     def _calibrate_rows(self, ends: List[int]):
         """Calibrates the rows that hold ``calibration_tokens`` non-sink tokens before
         column ``ends[b]``, from all of them (the single cache's rule)."""
         S, d0 = self.fp16_sink_tokens, self._d0
         pad = self._pad
-        fresh = [b for b in range(len(pad)) if not self._cal[b]
-                 and ends[b] - pad[b] - S >= self.calibration_tokens]
+        fresh = [
+            b
+            for b in range(len(pad))
+            if not self._cal[b] and ends[b] - pad[b] - S >= self.calibration_tokens
+        ]
         if not fresh:
             return
         mk, mv = [], []
@@ -116,7 +123,9 @@ class _RowSettling:
         # with work starts at lo, every other row's codes lie outside [lo, hi).
         simple = all(self._cend[b] == lo for b in work) and all(
             self._cend[b] <= lo or hi <= self._pad[b] + S
-            for b in range(B) if self._cal[b] and b not in work)
+            for b in range(B)
+            if self._cal[b] and b not in work
+        )
         if lo < d0:
             raise RuntimeError(f"{_PREFIX} internal: columns from {lo} are gone (first {d0}).")
         if simple:
@@ -150,18 +159,43 @@ class _RowSettling:
         v_signs = self._signs if self.rotate_values else None
         if self._private:
             self._kc, self._ks, self._vc, self._vs = ops.quantize_append_kv(
-                self._kc, self._ks, self._vc, self._vs, k, v, self._k_centroids,
-                self._v_centroids, start, self.key_bits, self.value_bits,
-                key_rotation_signs=self._signs, value_rotation_signs=v_signs,
-                key_mean=self._mu_k, value_mean=self._mu_v,
+                self._kc,
+                self._ks,
+                self._vc,
+                self._vs,
+                k,
+                v,
+                self._k_centroids,
+                self._v_centroids,
+                start,
+                self.key_bits,
+                self.value_bits,
+                key_rotation_signs=self._signs,
+                value_rotation_signs=v_signs,
+                key_mean=self._mu_k,
+                value_mean=self._mu_v,
             )
         else:
             self._kc, self._ks = ops.quantize_append(
-                self._kc, self._ks, k, self._k_centroids, start, self.key_bits,
-                rotation_signs=self._signs, mean=self._mu_k)
+                self._kc,
+                self._ks,
+                k,
+                self._k_centroids,
+                start,
+                self.key_bits,
+                rotation_signs=self._signs,
+                mean=self._mu_k,
+            )
             self._vc, self._vs = ops.quantize_append(
-                self._vc, self._vs, v, self._v_centroids, start, self.value_bits,
-                rotation_signs=v_signs, mean=self._mu_v)
+                self._vc,
+                self._vs,
+                v,
+                self._v_centroids,
+                start,
+                self.value_bits,
+                rotation_signs=v_signs,
+                mean=self._mu_v,
+            )
             self._private = True
 
     def _quantize_rows(self, lo: int, end: int, starts: List[int], ends: List[int]):
@@ -176,12 +210,25 @@ class _RowSettling:
         wk = ops.words_per_token(D, self.key_bits)
         wv = ops.words_per_token(D, self.value_bits)
         kc, ks = ops.quantize_append(
-            mx.zeros((B, H, n, wk), mx.uint32), mx.zeros((B, H, n), mx.float16), k,
-            self._k_centroids, 0, self.key_bits, rotation_signs=self._signs, mean=self._mu_k)
+            mx.zeros((B, H, n, wk), mx.uint32),
+            mx.zeros((B, H, n), mx.float16),
+            k,
+            self._k_centroids,
+            0,
+            self.key_bits,
+            rotation_signs=self._signs,
+            mean=self._mu_k,
+        )
         vc, vs = ops.quantize_append(
-            mx.zeros((B, H, n, wv), mx.uint32), mx.zeros((B, H, n), mx.float16), v,
-            self._v_centroids, 0, self.value_bits,
-            rotation_signs=self._signs if self.rotate_values else None, mean=self._mu_v)
+            mx.zeros((B, H, n, wv), mx.uint32),
+            mx.zeros((B, H, n), mx.float16),
+            v,
+            self._v_centroids,
+            0,
+            self.value_bits,
+            rotation_signs=self._signs if self.rotate_values else None,
+            mean=self._mu_v,
+        )
         cols = mx.arange(lo, end)[None, :]
         keep = (cols >= mx.array(starts)[:, None]) & (cols < mx.array(ends)[:, None])
         keep = keep[:, None, :]  # (B, 1, n)

@@ -104,7 +104,12 @@ from .ops import MAX_TAIL_TOKENS  # noqa: F401  (read here by tests)
 from .presets import DEFAULT_PRESET, PRESETS, KVPreset, get_preset
 from .presets import _layer_bits  # noqa: F401  (bench/layer_sweep.py reads it here)
 from .state import (  # noqa: F401  (the state format's names, read here by prompt_cache.py)
-    _ARRAY_FIELDS, _CONFIG_FIELDS, _CONFIG_FIELDS_V1, _CONFIG_FIELDS_V3, _N_ARRAYS, _N_ARRAYS_V1,
+    _ARRAY_FIELDS,
+    _CONFIG_FIELDS,
+    _CONFIG_FIELDS_V1,
+    _CONFIG_FIELDS_V3,
+    _N_ARRAYS,
+    _N_ARRAYS_V1,
 )
 
 __all__ = [

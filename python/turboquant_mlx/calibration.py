@@ -139,8 +139,9 @@ class CalibrationMixin:
         m = n if end is None else max(0, min(n, end - S))
         if m:
             # (Contiguous, as single-token steps would have them: the same reduction.)
-            ck, cv = (hk, hv) if m == n else (mx.contiguous(hk[:, :, :m]),
-                                              mx.contiguous(hv[:, :, :m]))
+            ck, cv = (
+                (hk, hv) if m == n else (mx.contiguous(hk[:, :, :m]), mx.contiguous(hv[:, :, :m]))
+            )
             k = ck.astype(mx.float32)
             if self.center:
                 self._mu_k = mx.mean(k, axis=2, keepdims=True)

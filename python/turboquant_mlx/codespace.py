@@ -73,7 +73,11 @@ def _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale
     output of a softmax is unchanged by the former and a convex combination, so
     ``mu_v`` comes back as is.
     """
-    out = out_rot if signs is None and matrix is None else rotate_inverse(out_rot, signs, matrix, rot_scale)
+    out = (
+        out_rot
+        if signs is None and matrix is None
+        else rotate_inverse(out_rot, signs, matrix, rot_scale)
+    )
     if mu_k is None:
         return out, lse
     B, n_q, L, D = q.shape
@@ -88,8 +92,7 @@ def _codes_to_model(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale
     return out, lse
 
 
-def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
-                   dense_k, dense_v):
+def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale, dense_k, dense_v):
     """The layer's attention output ``(B, H_q, L, D)`` float32: the compressed
     segment's result merged with attention over the fp16 segments ``dense_k`` /
     ``dense_v`` (lists of ``(B, H_kv, n, D)``, possibly empty), which every query
@@ -102,8 +105,9 @@ def _decode_output(out_rot, lse, q, signs, matrix, rot_scale, mu_k, mu_v, scale,
     return merge_two(dense_attention(q, k, v, scale), part)[0]
 
 
-def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_v,
-                   rotate_values, dense_k, dense_v):
+def _decode_inputs(
+    q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_v, rotate_values, dense_k, dense_v
+):
     """The op's inputs for a decode step whose fp16 segments (sinks, window; lists of
     ``(B, H_kv, n, D)``) go in as its tail, for ops on code-space queries: the queries
     in code space and the segments as the codec would quantize them (centered, scaled,
@@ -115,8 +119,9 @@ def _decode_inputs(q, key_scale, signs, matrix, rot_scale, keep_dtype, mu_k, mu_
         return q_codes, None, None
     k = dense_k[0] if len(dense_k) == 1 else mx.concatenate(dense_k, axis=2)
     v = dense_v[0] if len(dense_v) == 1 else mx.concatenate(dense_v, axis=2)
-    tail_k, tail_v = _to_code_space(k, v, mu_k, mu_v, key_scale, signs, matrix, rot_scale,
-                                    rotate_values)
+    tail_k, tail_v = _to_code_space(
+        k, v, mu_k, mu_v, key_scale, signs, matrix, rot_scale, rotate_values
+    )
     return q_codes, tail_k, tail_v
 
 

@@ -26,8 +26,13 @@ import numpy as np
 from . import codespace, ops
 from .attention import dense_attention, merge_attention
 from .codespace import (
-    _codes_to_model, _fused_decode_inputs, _fused_decode_output, _fused_queries_to_codes,
-    _fused_tail_decode_output, _half_queries_on_gpu, _queries_to_codes,
+    _codes_to_model,
+    _fused_decode_inputs,
+    _fused_decode_output,
+    _fused_queries_to_codes,
+    _fused_tail_decode_output,
+    _half_queries_on_gpu,
+    _queries_to_codes,
 )
 from .ops import MAX_TAIL_TOKENS
 from .window import CodeTail, Ring, ring_order, ring_roll, ring_slot
@@ -95,11 +100,11 @@ class DecodeMixin:
             self._observe_queries(queries[:, :, i : i + 1], q0 + i)
         outs = []
         if k:
-            outs.append(self._attend_block(queries[:, :, :k], q0, scale,
-                                           _mask_rows(mask, 0, k, L), sinks))
+            outs.append(
+                self._attend_block(queries[:, :, :k], q0, scale, _mask_rows(mask, 0, k, L), sinks)
+            )
         self._calibrate(end=q0 + k + 1)
-        outs.append(self._attend_steps(queries[:, :, k:], scale, _mask_rows(mask, k, L, L),
-                                       sinks))
+        outs.append(self._attend_steps(queries[:, :, k:], scale, _mask_rows(mask, k, L, L), sinks))
         if len(outs) == 1:
             return outs[0]
         return mx.concatenate([o.astype(mx.float32) for o in outs], axis=2)
@@ -137,7 +142,9 @@ class DecodeMixin:
         n = min(e, key_end) - wpos
         if n > 0:
             i0 = wpos - self._win_start
-            segments.append((self._win_k[:, :, i0 : i0 + n], self._win_v[:, :, i0 : i0 + n], wpos, n))
+            segments.append(
+                (self._win_k[:, :, i0 : i0 + n], self._win_v[:, :, i0 : i0 + n], wpos, n)
+            )
         n = key_end - e
         if n > 0:
             fk, fv, f0 = self._fresh
@@ -154,8 +161,10 @@ class DecodeMixin:
             if all(m is None for m in masks):
                 m = None
             else:
-                masks = [mx.ones((L, n), dtype=mx.bool_) if m is None else m
-                         for m, (_, _, _, n) in zip(masks, segments)]
+                masks = [
+                    mx.ones((L, n), dtype=mx.bool_) if m is None else m
+                    for m, (_, _, _, n) in zip(masks, segments)
+                ]
                 if len({m.ndim for m in masks}) > 1:
                     masks = [m.reshape((1,) * (4 - m.ndim) + m.shape) for m in masks]
                     shape = np.broadcast_shapes(*[m.shape[:-1] for m in masks])
@@ -212,8 +221,12 @@ class DecodeMixin:
         # attention op as its tail (one call); longer ones are attended to apart, and
         # one compiled function goes from the op's output to the layer's output.
         segments = self._dense_segments(self.offset)
-        fused = (codespace._COMPILE and sinks is None and c >= L and all(
-            self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
+        fused = (
+            codespace._COMPILE
+            and sinks is None
+            and c >= L
+            and all(self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments)
+        )
         if not fused:
             return self._attend_segments(queries, scale, mask, sinks, c, wpos)
         dense_k = [k for k, _, _, _ in segments]
@@ -223,18 +236,39 @@ class DecodeMixin:
         # added where a row saw a key (the general path checks).
         if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
             return self._attend_decode_with_tail(
-                queries, scale, *self._op_mask(mask, c, wpos, q0, L), ns, c, wpos,
-                dense_k, dense_v,
+                queries,
+                scale,
+                *self._op_mask(mask, c, wpos, q0, L),
+                ns,
+                c,
+                wpos,
+                dense_k,
+                dense_v,
             )
         causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
         out, lse = ops.compressed_attention(
             self._compressed_queries(queries, fused=True),
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-            self._k_centroids, self._v_centroids,
-            c, scale, self.key_bits, self.value_bits, causal, op_mask,
+            self._k_codes,
+            self._k_scales,
+            self._v_codes,
+            self._v_scales,
+            self._k_centroids,
+            self._v_centroids,
+            c,
+            scale,
+            self.key_bits,
+            self.value_bits,
+            causal,
+            op_mask,
         )
         return _fused_decode_output(
-            out, lse, queries, *self._model_space_args(), scale, dense_k, dense_v,
+            out,
+            lse,
+            queries,
+            *self._model_space_args(),
+            scale,
+            dense_k,
+            dense_v,
         )
 
     def _attend_segments(self, queries, scale, mask, sinks, c: int, wpos: int):
@@ -248,14 +282,14 @@ class DecodeMixin:
         if 0 < c < L:
             parts.append(self._dequantized_part(queries, scale, mask, c, q0))
         elif c > 0:
-            parts.append(self._compressed_part(
-                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L)))
+            parts.append(
+                self._compressed_part(queries, c, scale, *self._op_mask(mask, c, wpos, q0, L))
+            )
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
 
-    def _compressed_part(self, queries, c: int, scale: float, causal: bool = False,
-                         op_mask=None):
+    def _compressed_part(self, queries, c: int, scale: float, causal: bool = False, op_mask=None):
         """``(out, lse)`` of the ``c`` compressed tokens alone, float32, in the model's
         space. The rotation's place is the one difference between the two kinds of op:
         ops that apply it themselves (:meth:`_op_signs`) take the model's queries
@@ -264,9 +298,19 @@ class DecodeMixin:
         if self._op_signs() is not None:
             return self._model_space_op(queries, c, scale, causal, op_mask)
         out, lse = ops.compressed_attention(
-            self._compressed_queries(queries), self._k_codes, self._k_scales,
-            self._v_codes, self._v_scales, self._k_centroids, self._v_centroids,
-            c, scale, self.key_bits, self.value_bits, causal, op_mask,
+            self._compressed_queries(queries),
+            self._k_codes,
+            self._k_scales,
+            self._v_codes,
+            self._v_scales,
+            self._k_centroids,
+            self._v_centroids,
+            c,
+            scale,
+            self.key_bits,
+            self.value_bits,
+            causal,
+            op_mask,
         )
         return self._compressed_result(out, lse, queries, scale)
 
@@ -276,7 +320,10 @@ class DecodeMixin:
         L = queries.shape[2]
         k, v = self._decoded(0, c)
         out, lse = dense_attention(
-            self._compressed_queries(queries), k, v, scale,
+            self._compressed_queries(queries),
+            k,
+            v,
+            scale,
             self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L),
         )
         return self._compressed_result(out, lse, queries, scale)
@@ -315,12 +362,16 @@ class DecodeMixin:
             visible = (kpos[None, :] < S) | (kpos[None, :] >= exact[:, None])
             k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
             v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-            parts.append(dense_attention(queries, k, v, scale,
-                                         _block_mask(mask, visible, spans, qpos)))
+            parts.append(
+                dense_attention(queries, k, v, scale, _block_mask(mask, visible, spans, qpos))
+            )
         if c:
             visible = (S + np.arange(c))[None, :] < exact[:, None]
-            if (c >= L and not isinstance(mask, mx.array)
-                    and np.array_equal(exact - S, c - L + 1 + np.arange(L))):
+            if (
+                c >= L
+                and not isinstance(mask, mx.array)
+                and np.array_equal(exact - S, c - L + 1 + np.arange(L))
+            ):
                 # Query i sees the first c - L + 1 + i compressed tokens: the op's causal
                 # mode (a causal mask holds for them too).
                 causal, op_mask = True, None
@@ -329,8 +380,9 @@ class DecodeMixin:
             if c < L:
                 # (The op needs at least as many tokens as queries.)
                 kd, vd = self._decoded(0, c)
-                out, lse = dense_attention(self._compressed_queries(queries), kd, vd, scale,
-                                           op_mask)
+                out, lse = dense_attention(
+                    self._compressed_queries(queries), kd, vd, scale, op_mask
+                )
                 parts.append(self._compressed_result(out, lse, queries, scale))
             else:
                 parts.append(self._compressed_part(queries, c, scale, causal, op_mask))
@@ -349,13 +401,18 @@ class DecodeMixin:
             # Every token compressed (the plain codec): the step's Python time is most of
             # its cost, so it skips the bookkeeping below.
             return self._model_space_op(queries, self._n_comp, scale, final=True)[0]
-        if (simple and self.fp16_recent_tokens == 0 and self._n_comp > 0
-                and self._sink_k is not None
-                and self._sink_k.shape[2] + self._n_comp == self.offset):
+        if (
+            simple
+            and self.fp16_recent_tokens == 0
+            and self._n_comp > 0
+            and self._sink_k is not None
+            and self._sink_k.shape[2] + self._n_comp == self.offset
+        ):
             # The sinks and the compressed tokens, no window: the tail is the sinks, as
             # the segment list below would give it.
             return self._model_space_op(
-                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v), final=True)[0]
+                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v), final=True
+            )[0]
         if simple:
             ring_step = self._ring_step_layout()
             if ring_step is not None:
@@ -368,30 +425,56 @@ class DecodeMixin:
         ns, c, wpos = self._layout()
         segments = self._dense_segments(self.offset)
         n_tail = sum(n for _, _, _, n in segments)
-        one_call = (sinks is None and c >= L and 0 < n_tail <= MAX_TAIL_TOKENS and all(
-            self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments))
+        one_call = (
+            sinks is None
+            and c >= L
+            and 0 < n_tail <= MAX_TAIL_TOKENS
+            and all(self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments)
+        )
         if one_call:
             tail = self._model_space_tail(segments, ns, wpos, L)
             out = self._model_space_op(
-                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail,
-                final=True)[0]
+                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail, final=True
+            )[0]
             if self._ring is not None and self._ring.keys is tail[0]:
                 self._ring_readers.append(out)
             return out
         return self._attend_segments(queries, scale, mask, sinks, c, wpos)
 
-    def _model_space_op(self, queries, c: int, scale: float, causal: bool = False,
-                        op_mask=None, tail=(None, None), final: bool = False):
+    def _model_space_op(
+        self,
+        queries,
+        c: int,
+        scale: float,
+        causal: bool = False,
+        op_mask=None,
+        tail=(None, None),
+        final: bool = False,
+    ):
         """``(out, lse)`` of the op over the ``c`` compressed tokens and a model-space
         ``tail`` (keys, values), from the model's queries, in the model's space.
         ``final``: ``out`` is the layer's output, written in the queries' dtype (else
         float32, for merging with other parts)."""
         return ops.compressed_attention(
-            queries, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-            self._k_centroids, self._v_centroids, c, scale, self.key_bits,
-            self.value_bits, causal, op_mask, tail_k=tail[0], tail_v=tail[1],
-            rotation_signs=self._op_signs(), rotate_output=self.rotate_values,
-            key_mean=self._mu_k, value_mean=self._mu_v,
+            queries,
+            self._k_codes,
+            self._k_scales,
+            self._v_codes,
+            self._v_scales,
+            self._k_centroids,
+            self._v_centroids,
+            c,
+            scale,
+            self.key_bits,
+            self.value_bits,
+            causal,
+            op_mask,
+            tail_k=tail[0],
+            tail_v=tail[1],
+            rotation_signs=self._op_signs(),
+            rotate_output=self.rotate_values,
+            key_mean=self._mu_k,
+            value_mean=self._mu_v,
             out_dtype=queries.dtype if final else None,
         )
 
@@ -431,8 +514,7 @@ class DecodeMixin:
             # The ring's buffers are this cache's own (see _model_space_tail); the
             # slot's last reader was the previous step's attention.
             after, self._ring_readers = self._ring_readers, []
-            tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot,
-                                                 after=after)
+            tail_k, tail_v = ops.write_tokens_kv(tail_k, tail_v, new[0], new[1], slot, after=after)
             self._ring = Ring(tail_k, tail_v, P + 1)
         if len(self._win_pending) == self.fp16_recent_tokens:
             self._sync_window()  # (from the ring: see _sync_window)
@@ -445,8 +527,9 @@ class DecodeMixin:
             return True, None  # the queries are the last tokens of the compressed segment
         return False, self._segment_mask(mask, self.fp16_sink_tokens, c, q0, L)
 
-    def _attend_decode_with_tail(self, queries, scale, causal, op_mask, ns, c, wpos,
-                                 dense_k, dense_v):
+    def _attend_decode_with_tail(
+        self, queries, scale, causal, op_mask, ns, c, wpos, dense_k, dense_v
+    ):
         """A decode step as one attention call: the fp16 segments (possibly none; sinks
         first, ``ns`` of them, then the window from ``wpos``), which every query sees
         whole, join the ``c`` compressed tokens as the op's tail."""
@@ -456,8 +539,13 @@ class DecodeMixin:
         R = self.fp16_recent_tokens
         # (A single-token step whose ring holds the sinks and full window never gets
         # here: _attend_decode takes it to _ring_step first.)
-        if dense_k and ct is not None and ct.sinks == ns and ct.keys.shape[2] - ns == n_win and (
-                n_win == 0 or (ct.window_start == wpos and ct.roll == 0)):
+        if (
+            dense_k
+            and ct is not None
+            and ct.sinks == ns
+            and ct.keys.shape[2] - ns == n_win
+            and (n_win == 0 or (ct.window_start == wpos and ct.roll == 0))
+        ):
             # The same tokens as the last step's tail (sinks only, as without a window):
             # only the queries need the transform.
             tail_k, tail_v = ct.keys, ct.values
@@ -475,9 +563,17 @@ class DecodeMixin:
                 dense_k = [mx.concatenate(dense_k, axis=2)]
                 dense_v = [mx.concatenate(dense_v, axis=2)]
             q_codes, tail_k, tail_v = _fused_decode_inputs(
-                queries, self._key_scale, signs, matrix, rot_scale,
-                _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-                dense_k, dense_v,
+                queries,
+                self._key_scale,
+                signs,
+                matrix,
+                rot_scale,
+                _half_queries_on_gpu(queries.dtype),
+                self._mu_k,
+                self._mu_v,
+                self.rotate_values,
+                dense_k,
+                dense_v,
             )
             if tail_k is not None:
                 self._code_tail = CodeTail(tail_k, tail_v, ns, wpos, roll)
@@ -496,8 +592,13 @@ class DecodeMixin:
         ring, new = self._ring, self._new_token
         P = self.offset - 1
         # (a ring at P + 1 holds the new token already: see _ring_append)
-        if (ring is None or new is None or new[2] != P or ring.position not in (P, P + 1)
-                or self._fresh is not None):
+        if (
+            ring is None
+            or new is None
+            or new[2] != P
+            or ring.position not in (P, P + 1)
+            or self._fresh is not None
+        ):
             return None
         ns, c, wpos = self._layout()
         R = self.fp16_recent_tokens
@@ -516,9 +617,17 @@ class DecodeMixin:
         tail_k, tail_v = ring.keys, ring.values
         self._ring = ring = None  # only the ring may hold it, or MLX copies it
         q_codes, k_new, v_new = _fused_decode_inputs(
-            queries, self._key_scale, signs, matrix, rot_scale,
-            _half_queries_on_gpu(queries.dtype), self._mu_k, self._mu_v, self.rotate_values,
-            [new[0]], [new[1]],
+            queries,
+            self._key_scale,
+            signs,
+            matrix,
+            rot_scale,
+            _half_queries_on_gpu(queries.dtype),
+            self._mu_k,
+            self._mu_v,
+            self.rotate_values,
+            [new[0]],
+            [new[1]],
         )
         slot = ring_slot(ns, P, self.fp16_sink_tokens, self.fp16_recent_tokens)
         tail_k[:, :, slot : slot + 1] = k_new
@@ -531,9 +640,21 @@ class DecodeMixin:
         """The op over the ``c`` compressed tokens and a code-space tail, to the layer's
         output (``q_codes``: the queries in code space)."""
         out, _ = ops.compressed_attention(
-            q_codes, self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-            self._k_centroids, self._v_centroids, c, scale, self.key_bits, self.value_bits,
-            causal, op_mask, tail_k=tail_k, tail_v=tail_v,
+            q_codes,
+            self._k_codes,
+            self._k_scales,
+            self._v_codes,
+            self._v_scales,
+            self._k_centroids,
+            self._v_centroids,
+            c,
+            scale,
+            self.key_bits,
+            self.value_bits,
+            causal,
+            op_mask,
+            tail_k=tail_k,
+            tail_v=tail_v,
         )
         signs, matrix, rot_scale, _, mu_v = self._model_space_args()
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)

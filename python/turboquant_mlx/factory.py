@@ -130,7 +130,9 @@ def make_prompt_cache(
         key_bits=kb,
         value_bits=vb,
         fp16_sink_tokens=p.fp16_sink_tokens if fp16_sink_tokens is None else fp16_sink_tokens,
-        fp16_recent_tokens=p.fp16_recent_tokens if fp16_recent_tokens is None else fp16_recent_tokens,
+        fp16_recent_tokens=p.fp16_recent_tokens
+        if fp16_recent_tokens is None
+        else fp16_recent_tokens,
         rollback_tokens=rollback_tokens,
         center=p.center if center is None else bool(center),
         query_aware_keys=p.query_aware_keys if query_aware_keys is None else bool(query_aware_keys),
@@ -143,7 +145,9 @@ def make_prompt_cache(
 
     caches = list(_mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size))
     compressible = [i for i, c in enumerate(caches) if type(c) is KVCache]
-    fp16 = _fp16_layer_set(fp16_layers if fp16_layers is not None else p.fp16_layers, compressible, len(caches))
+    fp16 = _fp16_layer_set(
+        fp16_layers if fp16_layers is not None else p.fp16_layers, compressible, len(caches)
+    )
 
     configs: Dict[int, Optional[Dict[str, Any]]] = {}
     for i in compressible:
@@ -187,8 +191,11 @@ def make_prompt_cache(
             raise ValueError(f"{_PREFIX} layer {i}: key_bits and value_bits are required.")
         _check_layer_head_dim(model, i, cfg)
         caches[i] = TurboQuantKVCache(
-            seed=layer_seed(seed, i), prefill_budget_bytes=prefill_budget_bytes,
-            window_dtype=window_dtype, rotate_values=fold is None or not fold.folds(i), **cfg
+            seed=layer_seed(seed, i),
+            prefill_budget_bytes=prefill_budget_bytes,
+            window_dtype=window_dtype,
+            rotate_values=fold is None or not fold.folds(i),
+            **cfg,
         )
     return _fold_checked(fold, caches)
 

@@ -12,7 +12,12 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = [
-    "pack", "unpack", "rotate", "quantize", "quantize_append", "dequantize",
+    "pack",
+    "unpack",
+    "rotate",
+    "quantize",
+    "quantize_append",
+    "dequantize",
     "compressed_attention",
 ]
 
@@ -101,8 +106,7 @@ def quantize(x_rot: mx.array, centroids: mx.array, bits: int):
 def _check_finite(x: mx.array, op: str = "quantize_append"):
     if not mx.all(mx.isfinite(x)).item():
         raise ValueError(
-            f"[turboquant_mlx.{op}] input has non-finite values (NaN or Inf); "
-            "nothing was written."
+            f"[turboquant_mlx.{op}] input has non-finite values (NaN or Inf); nothing was written."
         )
 
 
@@ -120,8 +124,9 @@ def _check_scales(x: mx.array, scales: mx.array, op: str = "quantize_append"):
         )
 
 
-def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int, *,
-                    op: str = "quantize_append"):
+def quantize_append(
+    codes, scales, x_rot, centroids, offset: int, bits: int, *, op: str = "quantize_append"
+):
     """Fallback of ops.quantize_append on rotated tokens (same contract; costs a buffer
     copy; refusals name ``op``). ops.quantize_append centers and rotates model-space
     tokens first."""
@@ -136,8 +141,19 @@ def quantize_append(codes, scales, x_rot, centroids, offset: int, bits: int, *,
     return codes, scales
 
 
-def dequantize(codes, scales, centroids, bits: int, start: int, length: int,
-               dtype=mx.float32, before: int = 0, after: int = 0, prefix=None, suffix=None):
+def dequantize(
+    codes,
+    scales,
+    centroids,
+    bits: int,
+    start: int,
+    length: int,
+    dtype=mx.float32,
+    before: int = 0,
+    after: int = 0,
+    prefix=None,
+    suffix=None,
+):
     """Rotated-space vectors of tokens [start, start+length) in ``dtype``, at slots
     [before, before+length) of (B, H, before+length+after, D); the other slots are the
     rows of ``prefix`` / ``suffix`` where given, else zeros. (The kernels' ``into``, a
@@ -147,6 +163,7 @@ def dequantize(codes, scales, centroids, bits: int, start: int, length: int,
     idx = unpack(words, bits, head_dim)
     values = centroids.astype(mx.float32)[idx]
     out = (values * scales[:, :, start : start + length, None].astype(mx.float32)).astype(dtype)
+
     def around(rows, n):
         return rows if rows is not None else mx.zeros(out.shape[:2] + (n, head_dim), dtype)
 

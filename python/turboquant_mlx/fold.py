@@ -120,7 +120,8 @@ class ValueFold:
         how = (
             f"make_prompt_cache(model, ..., seed={self.base_seed}) with the preset, "
             "fp16_layers and layer_overrides the model was folded with"
-            if self.base_seed is not None else "the prompt cache the model was folded with"
+            if self.base_seed is not None
+            else "the prompt cache the model was folded with"
         )
         if not isinstance(cache, TurboQuantKVCache):
             return (
@@ -188,9 +189,15 @@ def _guarded_class(cls: type) -> type:
 
     # Same name and module as the original: the cache factory recognizes the model
     # modules that call mlx-lm's (hooked) attention by their module names.
-    sub = type(cls.__name__, (cls,), {
-        "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-    })
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": __call__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
     _GUARDED[cls] = sub
     return sub
 
@@ -208,8 +215,12 @@ def _dense(module) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     w = module.weight
     if _is_quantized(module):
         w = mx.dequantize(
-            w, module.scales, module.get("biases"), group_size=module.group_size,
-            bits=module.bits, mode=getattr(module, "mode", "affine"),
+            w,
+            module.scales,
+            module.get("biases"),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
         )
     bias = module["bias"] if "bias" in module else None
     return (
@@ -280,8 +291,10 @@ def _attention_modules(model) -> Tuple[str, List[Any], int]:
     attns, head_dims = [], set()
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        ok = attn is not None and type(attn).__module__ == arch and all(
-            hasattr(attn, name) for name in ("v_proj", "o_proj", "n_heads", "n_kv_heads")
+        ok = (
+            attn is not None
+            and type(attn).__module__ == arch
+            and all(hasattr(attn, name) for name in ("v_proj", "o_proj", "n_heads", "n_kv_heads"))
         )
         if ok:
             v = attn.v_proj
@@ -424,9 +437,12 @@ def fold_value_rotation(
         attns[i].v_proj, attns[i].o_proj = v_proj, o_proj
 
     fold = ValueFold(
-        architecture=arch, num_layers=len(attns), head_dim=head_dim,
+        architecture=arch,
+        num_layers=len(attns),
+        head_dim=head_dim,
         layer_seeds={i: int(c.seed) for i, c in targets.items()},
-        base_seed=base_seed, mode=mode if quantized else "float",
+        base_seed=base_seed,
+        mode=mode if quantized else "float",
     )
     for i, attn in enumerate(attns):
         object.__setattr__(attn, _LAYER_ATTRIBUTE, _LayerFold(fold, i))

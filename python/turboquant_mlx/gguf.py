@@ -73,7 +73,11 @@ else:
     )
     _reader = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_reader)
-    _FLOAT_TYPES, GGUFError, GGUFHeader = _reader._FLOAT_TYPES, _reader.GGUFError, _reader.GGUFHeader
+    _FLOAT_TYPES, GGUFError, GGUFHeader = (
+        _reader._FLOAT_TYPES,
+        _reader.GGUFError,
+        _reader.GGUFHeader,
+    )
     GGUFTensorInfo, read_gguf_header = _reader.GGUFTensorInfo, _reader.read_gguf_header
     _describe, _Fields, _show = _reader._describe, _reader._Fields, _reader._show
 
@@ -123,10 +127,18 @@ def default_smollm2_path() -> str:
     return str(path)
 
 
-
 # Tensors of a llama layer (there are at least this many per layer).
-_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_LAYER_TENSORS = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
 
 
 def gguf_model_args(
@@ -156,7 +168,9 @@ def gguf_model_args(
     f = _Fields(metadata, path)
     arch = f.get("general.architecture")
     if arch != "llama":
-        raise f.error("general.architecture", f"{_describe(arch)} is not supported; only 'llama' is")
+        raise f.error(
+            "general.architecture", f"{_describe(arch)} is not supported; only 'llama' is"
+        )
 
     n_heads = f.integer(f"{arch}.attention.head_count")
     hidden = f.integer(f"{arch}.embedding_length")
@@ -171,7 +185,8 @@ def gguf_model_args(
         head_dim = hidden // n_heads
     if head_dim % 2:
         raise f.error(
-            f"{arch}.attention.key_length" if f.has(f"{arch}.attention.key_length")
+            f"{arch}.attention.key_length"
+            if f.has(f"{arch}.attention.key_length")
             else f"{arch}.embedding_length",
             f"head dimension {head_dim} is odd (RoPE rotates pairs)",
         )
@@ -217,14 +232,17 @@ def gguf_model_args(
         raise f.error("tokenizer.ggml.tokens", "is empty")
     if "rope_freqs.weight" in weight_names:
         raise GGUFError(
-            path, "tensor 'rope_freqs.weight'",
+            path,
+            "tensor 'rope_freqs.weight'",
             "Llama-3.1 style RoPE frequency scaling is not supported by this loader",
         )
     rope_scaling = None
     scaling_type = f.string(f"{arch}.rope.scaling.type", None)
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
-            raise f.error(f"{arch}.rope.scaling.type", f"{_describe(scaling_type)} is not supported")
+            raise f.error(
+                f"{arch}.rope.scaling.type", f"{_describe(scaling_type)} is not supported"
+            )
         rope_scaling = {"type": "linear", "factor": f.number(f"{arch}.rope.scaling.factor")}
 
     return {
@@ -280,18 +298,22 @@ def _expected_tensors(config: Dict[str, Any]) -> Dict[str, Tuple[Tuple[int, ...]
         "ffn_down.weight": ((hidden, ffn), True, f"{d}, {f_s}"),
     }
     if config["attention_bias"]:
-        layer.update({
-            "attn_q.bias": ((q,), False, q_s),
-            "attn_k.bias": ((kv,), False, kv_s),
-            "attn_v.bias": ((kv,), False, kv_s),
-            "attn_output.bias": ((hidden,), False, d),
-        })
+        layer.update(
+            {
+                "attn_q.bias": ((q,), False, q_s),
+                "attn_k.bias": ((kv,), False, kv_s),
+                "attn_v.bias": ((kv,), False, kv_s),
+                "attn_output.bias": ((hidden,), False, d),
+            }
+        )
     if config["mlp_bias"]:
-        layer.update({
-            "ffn_gate.bias": ((ffn,), False, f_s),
-            "ffn_up.bias": ((ffn,), False, f_s),
-            "ffn_down.bias": ((hidden,), False, d),
-        })
+        layer.update(
+            {
+                "ffn_gate.bias": ((ffn,), False, f_s),
+                "ffn_up.bias": ((ffn,), False, f_s),
+                "ffn_down.bias": ((hidden,), False, d),
+            }
+        )
     for i in range(config["num_hidden_layers"]):
         for name, spec in layer.items():
             out[f"blk.{i}.{name}"] = spec
@@ -307,19 +329,22 @@ def _check_tensor_table(header: GGUFHeader, config: Dict[str, Any]):
         field = f"tensor {_show(name)}"
         if name not in expected:
             raise GGUFError(
-                path, field,
+                path,
+                field,
                 f"unexpected tensor: not part of a llama model with block_count="
                 f"{config['num_hidden_layers']}",
             )
         shape, may_quantize, source = expected[name]
         if info.shape != shape:
             raise GGUFError(
-                path, field,
+                path,
+                field,
                 f"has shape {info.shape}, but the metadata implies {shape} ({source})",
             )
         if not may_quantize and info.type_name not in _FLOAT_TYPES:
             raise GGUFError(
-                path, f"{field} type",
+                path,
+                f"{field} type",
                 f"is {info.type_name}; norms and biases must be stored as "
                 f"{', '.join(sorted(_FLOAT_TYPES))}",
             )
@@ -386,7 +411,8 @@ def _unpermute(w: mx.array, n_heads: int, head_dim: int, name: str, path: str) -
     """
     if w.ndim == 0 or w.shape[0] != n_heads * head_dim:
         raise GGUFError(
-            path, f"tensor {name!r}",
+            path,
+            f"tensor {name!r}",
             f"has shape {tuple(w.shape)}, but the metadata implies {n_heads * head_dim} rows "
             f"({n_heads} heads x head_dim {head_dim})",
         )
@@ -399,7 +425,8 @@ def _quant_params(module: nn.Module, packed: mx.array, scales: mx.array, name: s
     total_bits = packed.shape[-1] * 32
     if total_bits % in_features or in_features % scales.shape[-1]:
         raise GGUFError(
-            path, f"tensor {name!r}",
+            path,
+            f"tensor {name!r}",
             f"cannot infer bits/group size: packed {packed.shape}, scales "
             f"{scales.shape}, input features {in_features}",
         )
@@ -488,7 +515,10 @@ def load_gguf(
     if not traditional_rope:
         hd = args.head_dim
         for i in range(args.num_hidden_layers):
-            for proj, nh in (("q_proj", args.num_attention_heads), ("k_proj", args.num_key_value_heads)):
+            for proj, nh in (
+                ("q_proj", args.num_attention_heads),
+                ("k_proj", args.num_key_value_heads),
+            ):
                 prefix = f"model.layers.{i}.self_attn.{proj}."
                 for suffix in _SUFFIXES:
                     key = prefix + suffix
@@ -514,13 +544,13 @@ def load_gguf(
             biases = weights.pop(mod_path + ".biases", None)
             biases = None if biases is None else biases.astype(dtype)
             weights[mod_path + ".weight"] = mx.dequantize(
-                packed, scales, biases, q["group_size"], q["bits"]).astype(dtype)
+                packed, scales, biases, q["group_size"], q["bits"]
+            ).astype(dtype)
     else:
         nn.quantize(model, class_predicate=lambda p, m: qparams.get(p, False))
 
     weights = {
-        k: (v if v.dtype in (mx.uint32, mx.uint8) else v.astype(dtype))
-        for k, v in weights.items()
+        k: (v if v.dtype in (mx.uint32, mx.uint8) else v.astype(dtype)) for k, v in weights.items()
     }
     weights = model.sanitize(weights)
     model.load_weights(list(weights.items()), strict=True)
@@ -560,7 +590,8 @@ def _pre_tokenizer(pre: Optional[str], path: Optional[str] = None):
             ]
         )
     raise GGUFError(
-        path, "tokenizer.ggml.pre",
+        path,
+        "tokenizer.ggml.pre",
         f"{_describe(pre)} is not supported; supported: "
         f"{sorted(_SINGLE_DIGIT_PRE | {'default', 'gpt2', 'llama-bpe'})}",
     )
@@ -605,8 +636,11 @@ def build_tokenizer(metadata: Dict[str, Any], path: Optional[str] = None):
     types = f.get("tokenizer.ggml.token_type", None)
     if types is None:
         types = [1] * len(tokens)
-    elif (not isinstance(types, (list, tuple)) or len(types) != len(tokens)
-          or not all(isinstance(t, int) for t in types)):
+    elif (
+        not isinstance(types, (list, tuple))
+        or len(types) != len(tokens)
+        or not all(isinstance(t, int) for t in types)
+    ):
         raise f.error(
             "tokenizer.ggml.token_type",
             f"expected an array of {len(tokens)} integers, got {_describe(types)}",
@@ -645,8 +679,15 @@ def build_tokenizer(metadata: Dict[str, Any], path: Optional[str] = None):
 
     if add_bos or add_eos:
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
-        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
+        pair = (
+            single
+            + ([f"{bos}:1"] if add_bos else [])
+            + ["$B:1"]
+            + ([f"{eos}:1"] if add_eos else [])
+        )
+        specials = [
+            (t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t
+        ]
         try:
             tok.post_processor = processors.TemplateProcessing(
                 single=single, pair=pair, special_tokens=specials
@@ -657,10 +698,12 @@ def build_tokenizer(metadata: Dict[str, Any], path: Optional[str] = None):
                 f"cannot build the BOS/EOS template from {_describe(bos)}, {_describe(eos)}: {e}",
             ) from None
 
-    kwargs = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk)) if v}
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, clean_up_tokenization_spaces=False, **kwargs
-    )
+    kwargs = {
+        k: v
+        for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk))
+        if v
+    }
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **kwargs)
     if template:
         hf.chat_template = template
 

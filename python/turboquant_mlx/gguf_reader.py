@@ -54,27 +54,68 @@ def _show(name: str, limit: int = 96) -> str:
 # Metadata value types of the GGUF format.
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 _GGUF_VALUE_FORMATS = {  # type -> (struct format, size)
-    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
-    6: ("f", 4), 7: ("B", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
+    0: ("B", 1),
+    1: ("b", 1),
+    2: ("H", 2),
+    3: ("h", 2),
+    4: ("I", 4),
+    5: ("i", 4),
+    6: ("f", 4),
+    7: ("B", 1),
+    10: ("Q", 8),
+    11: ("q", 8),
+    12: ("d", 8),
 }
 _GGUF_VALUE_NAMES = {
-    0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
-    6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
+    0: "uint8",
+    1: "int8",
+    2: "uint16",
+    3: "int16",
+    4: "uint32",
+    5: "int32",
+    6: "float32",
+    7: "bool",
+    8: "string",
+    9: "array",
+    10: "uint64",
+    11: "int64",
     12: "float64",
 }
 
 # ggml tensor types: id -> (name, elements per block, bytes per block).
 _GGML_TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1),
-    25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
-    35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
 # What MLX's GGUF reader turns into model weights: Q4_0/Q4_1/Q8_0 become MLX
 # affine-quantized weights, the others are converted to float16.
@@ -145,7 +186,8 @@ class _Reader:
         left = self.size - self.offset
         if n > left:
             raise GGUFError(
-                self.path, field,
+                self.path,
+                field,
                 f"needs {n} bytes at offset {self.offset}, but the file has only {left} "
                 f"left (truncated or corrupt file)",
             )
@@ -185,7 +227,9 @@ class _Reader:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise GGUFError(self.path, field, f"is not valid UTF-8 ({e.reason} at byte {e.start} of {n})") from None
+            raise GGUFError(
+                self.path, field, f"is not valid UTF-8 ({e.reason} at byte {e.start} of {n})"
+            ) from None
 
     def strings(self, count: int, field: str) -> List[str]:
         """``count`` strings (the fast path of string arrays: labels only on error)."""
@@ -272,12 +316,15 @@ def read_gguf_header(path: str) -> GGUFHeader:
             raise GGUFError(path, "magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
         version = r.u32("version")
         if version not in (2, 3):
-            raise GGUFError(path, "version", f"{version} is not supported (only GGUF versions 2 and 3)")
+            raise GGUFError(
+                path, "version", f"{version} is not supported (only GGUF versions 2 and 3)"
+            )
         n_tensors = r.u64("tensor_count")
         n_kv = r.u64("metadata_kv_count")
         if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > r.remaining():
             raise GGUFError(
-                path, "tensor_count/metadata_kv_count",
+                path,
+                "tensor_count/metadata_kv_count",
                 f"{n_tensors} tensors and {n_kv} metadata entries cannot fit in the "
                 f"{r.remaining()} bytes left in the file (truncated or corrupt file)",
             )
@@ -297,11 +344,14 @@ def read_gguf_header(path: str) -> GGUFHeader:
             alignment = metadata["general.alignment"]
             if types["general.alignment"] != 4:
                 raise GGUFError(
-                    path, "general.alignment",
+                    path,
+                    "general.alignment",
                     f"must be a uint32, is a {_GGUF_VALUE_NAMES.get(types['general.alignment'])}",
                 )
             if alignment <= 0 or alignment & (alignment - 1):
-                raise GGUFError(path, "general.alignment", f"must be a power of two, got {alignment}")
+                raise GGUFError(
+                    path, "general.alignment", f"must be a power of two, got {alignment}"
+                )
 
         infos, seen = [], set()
         for i in range(n_tensors):
@@ -330,17 +380,21 @@ def read_gguf_header(path: str) -> GGUFHeader:
         type_name, block, block_bytes = _GGML_TYPES[ggml_type]
         if type_name not in _SUPPORTED_TYPES:
             raise GGUFError(
-                path, f"{field} type",
+                path,
+                f"{field} type",
                 f"{type_name} is not supported (supported: {', '.join(sorted(_SUPPORTED_TYPES))})",
             )
         if min(dims) == 0:
             raise GGUFError(path, f"{field} dims", f"shape {shape} has a zero dimension")
         n_elements = math.prod(dims)
         if n_elements > _MAX_ELEMENTS:
-            raise GGUFError(path, f"{field} dims", f"shape {shape} has more than {_MAX_ELEMENTS} elements")
+            raise GGUFError(
+                path, f"{field} dims", f"shape {shape} has more than {_MAX_ELEMENTS} elements"
+            )
         if dims[0] % block:
             raise GGUFError(
-                path, f"{field} dims",
+                path,
+                f"{field} dims",
                 f"rows of {dims[0]} elements are not whole {type_name} blocks of {block}",
             )
         if offset % alignment:
@@ -351,7 +405,8 @@ def read_gguf_header(path: str) -> GGUFHeader:
         start = data_offset + offset
         if start + nbytes > size:
             raise GGUFError(
-                path, f"{field} offset",
+                path,
+                f"{field} offset",
                 f"data at {start}..{start + nbytes} ({type_name} {shape}) extends past the end "
                 f"of the file ({size} bytes; truncated or corrupt file)",
             )

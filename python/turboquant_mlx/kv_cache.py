@@ -31,7 +31,13 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import codebook, ops
 from ._common import (
-    _PREFIX, _ROPE_PAIRINGS, _cat, _check_bits, _check_int, _pad_last, padded_head_dim,
+    _PREFIX,
+    _ROPE_PAIRINGS,
+    _cat,
+    _check_bits,
+    _check_int,
+    _pad_last,
+    padded_head_dim,
 )
 from .attention import ensure_hook, register_cache_class
 from .calibration import CalibrationMixin
@@ -158,8 +164,17 @@ class TurboQuantKVCache(
         self._init_runtime(prefill_budget_bytes)
         self.window_dtype = window_dtype
         self._configure(
-            key_bits, value_bits, seed, fp16_sink_tokens, fp16_recent_tokens, rollback_tokens,
-            center, query_aware_keys, rope_pairing, rope_dims, calibration_tokens,
+            key_bits,
+            value_bits,
+            seed,
+            fp16_sink_tokens,
+            fp16_recent_tokens,
+            rollback_tokens,
+            center,
+            query_aware_keys,
+            rope_pairing,
+            rope_dims,
+            calibration_tokens,
         )
         if not isinstance(rotate_values, (bool, np.bool_)):
             raise ValueError(f"{_PREFIX} rotate_values must be a bool, got {rotate_values!r}.")
@@ -178,8 +193,17 @@ class TurboQuantKVCache(
         self._pending_arrays = None
 
     def _configure(
-        self, key_bits, value_bits, seed, sinks, recent, rollback,
-        center=False, query_aware_keys=False, rope_pairing="half", rope_dims=0,
+        self,
+        key_bits,
+        value_bits,
+        seed,
+        sinks,
+        recent,
+        rollback,
+        center=False,
+        query_aware_keys=False,
+        rope_pairing="half",
+        rope_dims=0,
         calibration_tokens=32,
     ):
         self.key_bits = _check_bits("key_bits", key_bits)
@@ -317,8 +341,8 @@ class TurboQuantKVCache(
                 f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
             )
         if self._head_dim is not None and (
-                keys.shape[-1] != self._model_dim
-                or (keys.shape[0], keys.shape[1]) != self._batch_heads):
+            keys.shape[-1] != self._model_dim or (keys.shape[0], keys.shape[1]) != self._batch_heads
+        ):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
                 f"(B, H_kv, D) = {self._batch_heads + (self._model_dim,)}."
@@ -332,16 +356,21 @@ class TurboQuantKVCache(
         values = values.astype(window_dtype)
         check = self.check_finite
         if check not in ("auto", "always", "never"):
-            raise ValueError(f"{_PREFIX} check_finite must be 'auto', 'always' or 'never', "
-                             f"got {check!r}.")
+            raise ValueError(
+                f"{_PREFIX} check_finite must be 'auto', 'always' or 'never', got {check!r}."
+            )
         prompt_block = keys.shape[2] > self.decode_max_queries
         on_cpu = mx.default_device() == mx.cpu
         checked = check == "always" or check == "auto" and (prompt_block or on_cpu)
         # A GPU prompt block under "auto" is checked without waiting: reading the flag
         # now would stall the GPU once per layer and block, about a tenth of a long
         # prompt's time. The next update reads it (see _settle_finite_check).
-        deferred = checked and check == "auto" and prompt_block and (
-            not on_cpu if self._defer_prompt_check is None else self._defer_prompt_check)
+        deferred = (
+            checked
+            and check == "auto"
+            and prompt_block
+            and (not on_cpu if self._defer_prompt_check is None else self._defer_prompt_check)
+        )
         if checked and not deferred and not _fused_all_finite(keys, values).item():
             raise ValueError(self._not_finite_message(given, window_dtype))
         # Everything checked (a refused update changes nothing): store.
@@ -380,8 +409,7 @@ class TurboQuantKVCache(
         # dropped by the next update or trim.
         self._fresh = (keys, values, P) if L > self.decode_max_queries else None
         if deferred:
-            self._finite_pending = (_fused_all_finite(keys, values), P, L, given,
-                                    window_dtype)
+            self._finite_pending = (_fused_all_finite(keys, values), P, L, given, window_dtype)
         self._new_token = (keys, values, P) if L == 1 else None
         return given
 
@@ -401,19 +429,20 @@ class TurboQuantKVCache(
             self._not_finite_message(given, window_dtype).replace(
                 "the cache is unchanged.",
                 f"the prompt block at positions [{start}, {start + n}) (checked when the "
-                "next call came, as GPU prompt blocks are) was taken back out of the cache.")
+                "next call came, as GPU prompt blocks are) was taken back out of the cache.",
+            )
         )
 
     @staticmethod
     def _not_finite_message(given, window_dtype) -> str:
         k, v = given
-        names = [name for name, x in (("keys", k), ("values", v))
-                 if not mx.all(mx.isfinite(x)).item()]
+        names = [
+            name for name, x in (("keys", k), ("values", v)) if not mx.all(mx.isfinite(x)).item()
+        ]
         if names:
             what = f"the new {' and '.join(names)} are not finite (NaN or Inf)"
         else:
-            what = (f"the new keys or values exceed the range of the cache's {window_dtype} "
-                    "storage")
+            what = f"the new keys or values exceed the range of the cache's {window_dtype} storage"
         return f"{_PREFIX} update_and_fetch refused: {what}; the cache is unchanged."
 
     # -- attention --------------------------------------------------------------------

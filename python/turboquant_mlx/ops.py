@@ -53,8 +53,10 @@ def _has_kernels(stream, op: str) -> bool:
     global _gpu_kernels
     if _gpu_kernels is None:
         _gpu_kernels = bool(_ext.gpu_available())
+    if stream is None:  # (every decode step's ops ask: the short way)
+        return _gpu_kernels or mx.default_device().type == mx.cpu
     device = _device(stream, op)  # (checks the argument whatever the build)
-    # Every op call asks: a build with GPU kernels has them on every device.
+    # A build with GPU kernels has them on every device.
     return _gpu_kernels or device.type == mx.cpu
 
 
@@ -109,16 +111,24 @@ def quantize_append(
     """
     if _has_kernels(stream, "quantize_append"):
         codes, scales = _ext.quantize_append(
-            codes, scales, x, centroids, offset, bits, rotation_signs=rotation_signs,
-            mean=mean, in_place=in_place, stream=stream,
+            codes,
+            scales,
+            x,
+            centroids,
+            offset,
+            bits,
+            rotation_signs=rotation_signs,
+            mean=mean,
+            in_place=in_place,
+            stream=stream,
         )
         return codes, scales
-    return _fallback_append(codes, scales, x, centroids, offset, bits, rotation_signs, mean,
-                            stream, "quantize_append")
+    return _fallback_append(
+        codes, scales, x, centroids, offset, bits, rotation_signs, mean, stream, "quantize_append"
+    )
 
 
-def _fallback_append(codes, scales, x, centroids, offset, bits, rotation_signs, mean, stream,
-                     op):
+def _fallback_append(codes, scales, x, centroids, offset, bits, rotation_signs, mean, stream, op):
     """quantize_append with the plain-MLX fallback; its refusals name ``op``."""
     _ext.words_per_token(x.shape[-1], bits)  # same validation as the kernel path
     with mx.stream(stream) if stream is not None else _nullcontext():
@@ -163,22 +173,66 @@ def quantize_append_kv(
         tuple[array, array, array, array]: ``(k_codes, k_scales, v_codes, v_scales)``.
     """
     if _has_kernels(stream, "quantize_append_kv"):
-        return tuple(_ext.quantize_append_kv(
-            k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids,
-            offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
-            value_rotation_signs=value_rotation_signs, key_mean=key_mean,
-            value_mean=value_mean, stream=stream,
-        ))
+        return tuple(
+            _ext.quantize_append_kv(
+                k_codes,
+                k_scales,
+                v_codes,
+                v_scales,
+                keys,
+                values,
+                k_centroids,
+                v_centroids,
+                offset,
+                key_bits,
+                value_bits,
+                key_rotation_signs=key_rotation_signs,
+                value_rotation_signs=value_rotation_signs,
+                key_mean=key_mean,
+                value_mean=value_mean,
+                stream=stream,
+            )
+        )
     return _fallback_append_kv(
-        k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids, v_centroids, offset,
-        key_bits, value_bits, key_rotation_signs, value_rotation_signs, key_mean, value_mean,
-        stream, "quantize_append_kv",
+        k_codes,
+        k_scales,
+        v_codes,
+        v_scales,
+        keys,
+        values,
+        k_centroids,
+        v_centroids,
+        offset,
+        key_bits,
+        value_bits,
+        key_rotation_signs,
+        value_rotation_signs,
+        key_mean,
+        value_mean,
+        stream,
+        "quantize_append_kv",
     )
 
 
-def _fallback_append_kv(k_codes, k_scales, v_codes, v_scales, keys, values, k_centroids,
-                        v_centroids, offset, key_bits, value_bits, key_rotation_signs,
-                        value_rotation_signs, key_mean, value_mean, stream, op):
+def _fallback_append_kv(
+    k_codes,
+    k_scales,
+    v_codes,
+    v_scales,
+    keys,
+    values,
+    k_centroids,
+    v_centroids,
+    offset,
+    key_bits,
+    value_bits,
+    key_rotation_signs,
+    value_rotation_signs,
+    key_mean,
+    value_mean,
+    stream,
+    op,
+):
     """quantize_append_kv with the plain-MLX fallback; its refusals name ``op``. Nothing
     is written in place, so a refused value leaves the key buffers as they were too."""
     if keys.shape[2:3] != values.shape[2:3]:
@@ -186,10 +240,30 @@ def _fallback_append_kv(k_codes, k_scales, v_codes, v_scales, keys, values, k_ce
             f"[turboquant_mlx.{op}] keys {tuple(keys.shape)} and values "
             f"{tuple(values.shape)} must bring the same tokens."
         )
-    kc, ks = _fallback_append(k_codes, k_scales, keys, k_centroids, offset, key_bits,
-                              key_rotation_signs, key_mean, stream, op)
-    vc, vs = _fallback_append(v_codes, v_scales, values, v_centroids, offset, value_bits,
-                              value_rotation_signs, value_mean, stream, op)
+    kc, ks = _fallback_append(
+        k_codes,
+        k_scales,
+        keys,
+        k_centroids,
+        offset,
+        key_bits,
+        key_rotation_signs,
+        key_mean,
+        stream,
+        op,
+    )
+    vc, vs = _fallback_append(
+        v_codes,
+        v_scales,
+        values,
+        v_centroids,
+        offset,
+        value_bits,
+        value_rotation_signs,
+        value_mean,
+        stream,
+        op,
+    )
     return kc, ks, vc, vs
 
 
@@ -198,7 +272,9 @@ _METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal ke
 
 def _has_write_kernel(stream, op: str) -> bool:
     """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
-    return _has_kernels(stream, op) and (not _METAL_BUILD or _device(stream, op).type == mx.cpu)
+    if not _METAL_BUILD:
+        return _has_kernels(stream, op)
+    return _has_kernels(stream, op) and _device(stream, op).type == mx.cpu
 
 
 def write_tokens_kv(
@@ -229,8 +305,11 @@ def write_tokens_kv(
         tuple[array, array]: ``(k_buffer, v_buffer)``.
     """
     if _has_write_kernel(stream, "write_tokens_kv"):
-        return tuple(_ext.write_tokens_kv(k_buffer, v_buffer, keys, values, offset,
-                                          after=list(after), stream=stream))
+        return tuple(
+            _ext.write_tokens_kv(
+                k_buffer, v_buffer, keys, values, offset, after=list(after), stream=stream
+            )
+        )
     n = keys.shape[2]
     with mx.stream(stream) if stream is not None else _nullcontext():
         k_buffer[:, :, offset : offset + n] = keys
@@ -283,29 +362,74 @@ def ring_append_kv(
         tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
     """
     if _has_write_kernel(stream, "ring_append_kv"):
-        return tuple(_ext.ring_append_kv(
-            k_codes, k_scales, v_codes, v_scales, k_ring, v_ring, keys, values,
-            k_centroids, v_centroids, offset, slot, key_bits, value_bits,
-            key_rotation_signs=key_rotation_signs, value_rotation_signs=value_rotation_signs,
-            key_mean=key_mean, value_mean=value_mean, after=list(after), stream=stream,
-        ))
+        return tuple(
+            _ext.ring_append_kv(
+                k_codes,
+                k_scales,
+                v_codes,
+                v_scales,
+                k_ring,
+                v_ring,
+                keys,
+                values,
+                k_centroids,
+                v_centroids,
+                offset,
+                slot,
+                key_bits,
+                value_bits,
+                key_rotation_signs=key_rotation_signs,
+                value_rotation_signs=value_rotation_signs,
+                key_mean=key_mean,
+                value_mean=value_mean,
+                after=list(after),
+                stream=stream,
+            )
+        )
     n = keys.shape[2]
     leaving_k, leaving_v = k_ring[:, :, slot : slot + n], v_ring[:, :, slot : slot + n]
     if _has_kernels(stream, "ring_append_kv"):  # (Metal: an append node, then the write)
         codes = quantize_append_kv(
-            k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
-            v_centroids, offset, key_bits, value_bits, key_rotation_signs=key_rotation_signs,
-            value_rotation_signs=value_rotation_signs, key_mean=key_mean,
-            value_mean=value_mean, stream=stream,
+            k_codes,
+            k_scales,
+            v_codes,
+            v_scales,
+            leaving_k,
+            leaving_v,
+            k_centroids,
+            v_centroids,
+            offset,
+            key_bits,
+            value_bits,
+            key_rotation_signs=key_rotation_signs,
+            value_rotation_signs=value_rotation_signs,
+            key_mean=key_mean,
+            value_mean=value_mean,
+            stream=stream,
         )
     else:
         codes = _fallback_append_kv(
-            k_codes, k_scales, v_codes, v_scales, leaving_k, leaving_v, k_centroids,
-            v_centroids, offset, key_bits, value_bits, key_rotation_signs,
-            value_rotation_signs, key_mean, value_mean, stream, "ring_append_kv",
+            k_codes,
+            k_scales,
+            v_codes,
+            v_scales,
+            leaving_k,
+            leaving_v,
+            k_centroids,
+            v_centroids,
+            offset,
+            key_bits,
+            value_bits,
+            key_rotation_signs,
+            value_rotation_signs,
+            key_mean,
+            value_mean,
+            stream,
+            "ring_append_kv",
         )
-    rings = write_tokens_kv(k_ring, v_ring, keys, values, slot,
-                            after=list(after) + list(codes), stream=stream)
+    rings = write_tokens_kv(
+        k_ring, v_ring, keys, values, slot, after=list(after) + list(codes), stream=stream
+    )
     return tuple(codes) + tuple(rings)
 
 
@@ -367,17 +491,32 @@ def compressed_attention(
     """
     if _has_kernels(stream, "compressed_attention"):
         out, lse = _ext.compressed_attention(
-            q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
-            kv_len, scale, key_bits, value_bits, causal, mask,
-            tail_k=tail_k, tail_v=tail_v, rotation_signs=rotation_signs,
-            rotate_output=rotate_output, key_mean=key_mean, value_mean=value_mean,
-            out_dtype=out_dtype, stream=stream,
+            q,
+            k_codes,
+            k_scales,
+            v_codes,
+            v_scales,
+            k_centroids,
+            v_centroids,
+            kv_len,
+            scale,
+            key_bits,
+            value_bits,
+            causal,
+            mask,
+            tail_k=tail_k,
+            tail_v=tail_v,
+            rotation_signs=rotation_signs,
+            rotate_output=rotate_output,
+            key_mean=key_mean,
+            value_mean=value_mean,
+            out_dtype=out_dtype,
+            stream=stream,
         )
         return out, lse
     if (key_mean is None) != (value_mean is None):
         raise ValueError(
-            "[turboquant_mlx.compressed_attention] key_mean and value_mean must be given "
-            "together."
+            "[turboquant_mlx.compressed_attention] key_mean and value_mean must be given together."
         )
     if out_dtype not in (None, mx.float32, mx.float16, mx.bfloat16):
         raise ValueError(
@@ -386,16 +525,45 @@ def compressed_attention(
         )
     with mx.stream(stream) if stream is not None else _nullcontext():
         out, lse = fallback.compressed_attention(
-            q, k_codes, k_scales, v_codes, v_scales, k_centroids, v_centroids,
-            kv_len, scale, key_bits, value_bits, causal, mask, tail_k, tail_v,
-            rotation_signs, rotate_output, key_mean, value_mean,
+            q,
+            k_codes,
+            k_scales,
+            v_codes,
+            v_scales,
+            k_centroids,
+            v_centroids,
+            kv_len,
+            scale,
+            key_bits,
+            value_bits,
+            causal,
+            mask,
+            tail_k,
+            tail_v,
+            rotation_signs,
+            rotate_output,
+            key_mean,
+            value_mean,
         )
         return (out if out_dtype is None else out.astype(out_dtype)), lse
 
 
-def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *,
-               dtype=mx.float32, before: int = 0, after: int = 0, prefix=None,
-               suffix=None, into=None, stream=None):
+def dequantize(
+    codes,
+    scales,
+    centroids,
+    bits: int,
+    start: int,
+    length: int,
+    *,
+    dtype=mx.float32,
+    before: int = 0,
+    after: int = 0,
+    prefix=None,
+    suffix=None,
+    into=None,
+    stream=None,
+):
     """Rotated-space vectors of tokens ``[start, start+length)`` in ``dtype``.
 
     Returns ``(B, H, before + length + after, D)``: the decoded tokens at slots
@@ -411,12 +579,25 @@ def dequantize(codes, scales, centroids, bits: int, start: int, length: int, *,
     it is ignored (the result is a new array).
     """
     if _has_kernels(stream, "dequantize"):
-        return _ext.dequantize(codes, scales, centroids, bits, start, length, dtype=dtype,
-                               before=before, after=after, prefix=prefix, suffix=suffix,
-                               into=into, stream=stream)
+        return _ext.dequantize(
+            codes,
+            scales,
+            centroids,
+            bits,
+            start,
+            length,
+            dtype=dtype,
+            before=before,
+            after=after,
+            prefix=prefix,
+            suffix=suffix,
+            into=into,
+            stream=stream,
+        )
     with mx.stream(stream) if stream is not None else _nullcontext():
-        return fallback.dequantize(codes, scales, centroids, bits, start, length, dtype,
-                                   before, after, prefix, suffix)
+        return fallback.dequantize(
+            codes, scales, centroids, bits, start, length, dtype, before, after, prefix, suffix
+        )
 
 
 class _nullcontext:

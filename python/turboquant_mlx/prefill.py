@@ -10,8 +10,12 @@ import mlx.core as mx
 
 from . import codespace
 from .codespace import (
-    _fused_queries_to_codes, _fused_tail_decode_output, _fused_to_code_space,
-    _queries_to_codes, _tail_decode_output, _to_code_space,
+    _fused_queries_to_codes,
+    _fused_tail_decode_output,
+    _fused_to_code_space,
+    _queries_to_codes,
+    _tail_decode_output,
+    _to_code_space,
 )
 
 
@@ -127,8 +131,17 @@ class PrefillMixin:
                 return None, None
             k = segs[0][0] if len(segs) == 1 else mx.concatenate([s[0] for s in segs], axis=2)
             v = segs[0][1] if len(segs) == 1 else mx.concatenate([s[1] for s in segs], axis=2)
-            k, v = to_codes(k, v, self._mu_k, self._mu_v, self._key_scale, signs, matrix,
-                            rot_scale, self.rotate_values)
+            k, v = to_codes(
+                k,
+                v,
+                self._mu_k,
+                self._mu_v,
+                self._key_scale,
+                signs,
+                matrix,
+                rot_scale,
+                self.rotate_values,
+            )
             return k.astype(dtype), v.astype(dtype)
 
         if n_comp == 0:
@@ -141,12 +154,27 @@ class PrefillMixin:
             after_k, after_v = code_space([g for g in segments if g[2] >= S])
             B, H = self._batch_heads
             size = B * H * self.offset * self._head_dim  # every token; keys and values alike
-            k, v = self._decoded(0, n_comp, dtype, (before_k, after_k), (before_v, after_v),
-                                 scratch_buffers(dtype, size))
+            k, v = self._decoded(
+                0,
+                n_comp,
+                dtype,
+                (before_k, after_k),
+                (before_v, after_v),
+                scratch_buffers(dtype, size),
+            )
         centered = self._mu_k is not None
         if centered and uncentered:
-            mu_k, mu_v = _to_code_space(self._mu_k, self._mu_v, None, None, self._key_scale,
-                                        signs, matrix, rot_scale, self.rotate_values)
+            mu_k, mu_v = _to_code_space(
+                self._mu_k,
+                self._mu_v,
+                None,
+                None,
+                self._key_scale,
+                signs,
+                matrix,
+                rot_scale,
+                self.rotate_values,
+            )
             k = (k + mu_k).astype(dtype)
             v = (v + mu_v).astype(dtype)
             centered = False

@@ -94,18 +94,25 @@ class KVPreset:
         if not self.compressed:
             return float(dense_bits)
         base = dict(
-            key_bits=self.key_bits, value_bits=self.value_bits,
-            fp16_sink_tokens=self.fp16_sink_tokens, fp16_recent_tokens=self.fp16_recent_tokens,
-            center=self.center, query_aware_keys=self.query_aware_keys,
-            rollback_tokens=rollback_tokens, calibration_tokens=calibration_tokens,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fp16_sink_tokens=self.fp16_sink_tokens,
+            fp16_recent_tokens=self.fp16_recent_tokens,
+            center=self.center,
+            query_aware_keys=self.query_aware_keys,
+            rollback_tokens=rollback_tokens,
+            calibration_tokens=calibration_tokens,
         )
         if num_layers is None:
             return _layer_bits(base, head_dim, context, dense_bits)
         configs = self.layer_configs(num_layers, base)
-        return sum(
-            dense_bits if cfg is None else _layer_bits(cfg, head_dim, context, dense_bits)
-            for cfg in configs
-        ) / num_layers
+        return (
+            sum(
+                dense_bits if cfg is None else _layer_bits(cfg, head_dim, context, dense_bits)
+                for cfg in configs
+            )
+            / num_layers
+        )
 
     def layer_configs(
         self, num_layers: int, base: Optional[Dict[str, Any]] = None
@@ -115,10 +122,12 @@ class KVPreset:
         ``layer_schedule`` applied."""
         if base is None:
             base = dict(
-                key_bits=self.key_bits, value_bits=self.value_bits,
+                key_bits=self.key_bits,
+                value_bits=self.value_bits,
                 fp16_sink_tokens=self.fp16_sink_tokens,
                 fp16_recent_tokens=self.fp16_recent_tokens,
-                center=self.center, query_aware_keys=self.query_aware_keys,
+                center=self.center,
+                query_aware_keys=self.query_aware_keys,
             )
         layers = list(range(num_layers))
         fp16 = _fp16_layer_set(tuple(self.fp16_layers), layers, num_layers)
@@ -191,63 +200,112 @@ _PRESET_LIST = [
     # 4-bit class (<= 4.5 bits per coordinate from 3k tokens on; 4.26 at 128k). Bits are
     # SmolLM2's (head dim 64); at head dim 128 the per-token norms cost half as much.
     KVPreset(
-        "tq4", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        "tq4",
+        4,
+        4,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=32,
+        center=True,
         description="4-bit K/V, mean-centered, 4 fp16 sinks, last 32 tokens fp16 "
-                    "(4.48 bits at 3k tokens, 4.26 at 128k)",
+        "(4.48 bits at 3k tokens, 4.26 at 128k)",
     ),
     # 3-bit class (<= 3.5 bits from 3k tokens on; 3.26 at 128k): 2-bit values
     # cost much less than 2-bit keys (k3v3 with the same window: KL 35 vs 33 mnat at
     # 0.01 more bits, perplexity +3.8% vs +1.5% on seed 0).
     KVPreset(
-        "tq3", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        "tq3",
+        4,
+        2,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=32,
+        center=True,
         description="4-bit keys, 2-bit values, mean-centered, 4 fp16 sinks, last 32 tokens "
-                    "fp16 (3.49 bits at 3k tokens, 3.26 at 128k)",
+        "fp16 (3.49 bits at 3k tokens, 3.26 at 128k)",
     ),
     # The same without the window (the previous generation of presets).
     KVPreset(
-        "tq4-nowindow", 4, 4, fp16_sink_tokens=4, center=True,
+        "tq4-nowindow",
+        4,
+        4,
+        fp16_sink_tokens=4,
+        center=True,
         description="tq4 without the fp16 window (4.28 bits)",
     ),
     KVPreset(
-        "tq3-nowindow", 4, 2, fp16_sink_tokens=4, center=True,
+        "tq3-nowindow",
+        4,
+        2,
+        fp16_sink_tokens=4,
+        center=True,
         description="tq3 without the fp16 window (3.28 bits)",
     ),
     # tq4's quality in fewer bytes at long context: 3-bit values paid for by a larger
     # window (on SmolLM2 the same mean perplexity as tq4 over rotation seeds 0-5).
     KVPreset(
-        "k4v3", 4, 3, fp16_sink_tokens=4, fp16_recent_tokens=128, center=True,
+        "k4v3",
+        4,
+        3,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=128,
+        center=True,
         description="4-bit keys, 3-bit values, mean-centered, 4 fp16 sinks, last 128 tokens "
-                    "fp16 (4.37 bits at 3k tokens, 3.77 at 128k)",
+        "fp16 (4.37 bits at 3k tokens, 3.77 at 128k)",
     ),
     KVPreset(
-        "k3v3", 3, 3, fp16_sink_tokens=4, fp16_recent_tokens=32, center=True,
+        "k3v3",
+        3,
+        3,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=32,
+        center=True,
         query_aware_keys=True,
         description="3-bit keys and values, mean-centered, query-aware keys, 4 fp16 sinks, "
-                    "last 32 tokens fp16",
+        "last 32 tokens fp16",
     ),
     # Ablations: the plain codec, and with fp16 sinks only.
     KVPreset("tq4-plain", 4, 4, description="plain TurboQuant: 4-bit keys and values"),
     KVPreset("tq3-plain", 3, 3, description="plain TurboQuant: 3-bit keys and values"),
     KVPreset(
-        "tq4-sink", 4, 4, fp16_sink_tokens=4,
+        "tq4-sink",
+        4,
+        4,
+        fp16_sink_tokens=4,
         description="plain 4-bit, first 4 tokens (attention sinks) in fp16",
     ),
     KVPreset(
-        "tq3-sink", 3, 3, fp16_sink_tokens=4,
+        "tq3-sink",
+        3,
+        3,
+        fp16_sink_tokens=4,
         description="plain 3-bit, first 4 tokens (attention sinks) in fp16",
     ),
     # More fp16: a 128-token window, and the first and last layers in fp16 as well.
     KVPreset(
-        "tq4-hq", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=128, center=True,
+        "tq4-hq",
+        4,
+        4,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=128,
+        center=True,
         description="tq4 with the last 128 tokens in fp16 (4.85 bits at 3k tokens, 4.26 at 128k)",
     ),
     KVPreset(
-        "tq4-plus", 4, 4, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        "tq4-plus",
+        4,
+        4,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=64,
+        fp16_layers=(1, 1),
         center=True,
         description="tq4 with a recent window (64) and the first and last layer in fp16",
     ),
     KVPreset(
-        "tq3-plus", 4, 2, fp16_sink_tokens=4, fp16_recent_tokens=64, fp16_layers=(1, 1),
+        "tq3-plus",
+        4,
+        2,
+        fp16_sink_tokens=4,
+        fp16_recent_tokens=64,
+        fp16_layers=(1, 1),
         center=True,
         description="tq3 with a recent window (64) and the first and last layer in fp16",
     ),
@@ -270,7 +328,9 @@ def get_preset(name: Union[str, KVPreset]) -> KVPreset:
     base, sep, window = name.rpartition("@w") if isinstance(name, str) else ("", "", "")
     if sep and window.isdigit() and base in PRESETS and PRESETS[base].compressed:
         return dataclasses.replace(
-            PRESETS[base], name=name, fp16_recent_tokens=int(window),
+            PRESETS[base],
+            name=name,
+            fp16_recent_tokens=int(window),
             description=f"{base} with a {int(window)}-token fp16 window",
         )
     raise ValueError(
@@ -282,7 +342,11 @@ def get_preset(name: Union[str, KVPreset]) -> KVPreset:
 def _fp16_layer_set(spec, compressible: List[int], num_caches: int) -> set:
     if spec is None:
         return set()
-    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(x, (int, np.integer)) for x in spec):
+    if (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and all(isinstance(x, (int, np.integer)) for x in spec)
+    ):
         first, last = (_check_int("fp16_layers", int(x)) for x in spec)
         chosen = set(compressible[:first])
         if last:
@@ -308,19 +372,31 @@ def _override_config(spec, base: Dict[str, Any], layer: int) -> Optional[Dict[st
         if not p.compressed:
             return None
         return dict(
-            base, key_bits=p.key_bits, value_bits=p.value_bits,
-            fp16_sink_tokens=p.fp16_sink_tokens, fp16_recent_tokens=p.fp16_recent_tokens,
-            center=p.center, query_aware_keys=p.query_aware_keys,
+            base,
+            key_bits=p.key_bits,
+            value_bits=p.value_bits,
+            fp16_sink_tokens=p.fp16_sink_tokens,
+            fp16_recent_tokens=p.fp16_recent_tokens,
+            center=p.center,
+            query_aware_keys=p.query_aware_keys,
         )
     if isinstance(spec, tuple) and len(spec) == 2:
         return dict(base, key_bits=spec[0], value_bits=spec[1])
     if isinstance(spec, Mapping):
         unknown = set(spec) - {
-            "key_bits", "value_bits", "fp16_sink_tokens", "fp16_recent_tokens", "rollback_tokens",
-            "center", "query_aware_keys", "calibration_tokens",
+            "key_bits",
+            "value_bits",
+            "fp16_sink_tokens",
+            "fp16_recent_tokens",
+            "rollback_tokens",
+            "center",
+            "query_aware_keys",
+            "calibration_tokens",
         }
         if unknown:
-            raise ValueError(f"{_PREFIX} layer {layer} override has unknown keys {sorted(unknown)}.")
+            raise ValueError(
+                f"{_PREFIX} layer {layer} override has unknown keys {sorted(unknown)}."
+            )
         return dict(base, **spec)
     raise ValueError(
         f"{_PREFIX} layer {layer} override must be 'fp16', None, a preset name, a "

@@ -321,9 +321,7 @@ def _check_turboquant_state(state: List[Any]) -> None:
             raise ValueError(f"configuration value {field} is not an integer")
 
 
-def load_prompt_cache(
-    path: str, return_metadata: bool = False, allow_unverified: bool = False
-):
+def load_prompt_cache(path: str, return_metadata: bool = False, allow_unverified: bool = False):
     """Loads a prompt cache saved by :func:`save_prompt_cache` (or by mlx-lm).
 
     The checksum detects damage (a truncated, partly written or bit-flipped file), not
@@ -399,7 +397,7 @@ def load_prompt_cache(
         except Exception as e:
             detail = str(e)
             for prefix in ("[turboquant_mlx.cache] ", "inconsistent state: "):
-                detail = detail[len(prefix):] if detail.startswith(prefix) else detail
+                detail = detail[len(prefix) :] if detail.startswith(prefix) else detail
             raise PromptCacheError(
                 f"{_PREFIX} {where}, cache {i} ({name}): invalid state: {detail}"
             ) from e

@@ -32,8 +32,7 @@ def _check_centroids(centroids_f32, bits):
     c = np.asarray(centroids_f32, dtype=np.float32)
     if c.shape != (1 << bits,):
         raise ValueError(
-            f"{_ERROR_PREFIX} expected {1 << bits} centroids for bits={bits}, "
-            f"got shape {c.shape}."
+            f"{_ERROR_PREFIX} expected {1 << bits} centroids for bits={bits}, got shape {c.shape}."
         )
     return c
 
@@ -148,9 +147,7 @@ def unpack(words: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
     return codes.astype(np.uint8)
 
 
-def dequantize(
-    codes: np.ndarray, scales: np.ndarray, centroids_f32: np.ndarray
-) -> np.ndarray:
+def dequantize(codes: np.ndarray, scales: np.ndarray, centroids_f32: np.ndarray) -> np.ndarray:
     """Returns the rotated-space vectors ``float(scale) * c[code]`` in float32.
 
     Args:
@@ -214,9 +211,7 @@ def attention(
             f"{_ERROR_PREFIX} H_q={num_q_heads} is not a multiple of H_kv={num_kv_heads}."
         )
     if not 0 <= kv_len <= k.shape[2]:
-        raise ValueError(
-            f"{_ERROR_PREFIX} kv_len must lie in [0, {k.shape[2]}], got {kv_len}."
-        )
+        raise ValueError(f"{_ERROR_PREFIX} kv_len must lie in [0, {k.shape[2]}], got {kv_len}.")
 
     # Give every query head its own copy of the KV head it reads.
     group = num_q_heads // num_kv_heads
@@ -235,8 +230,7 @@ def attention(
             mask = np.broadcast_to(mask, keep.shape)
         except ValueError:
             raise ValueError(
-                f"{_ERROR_PREFIX} mask of shape {mask.shape} does not broadcast to "
-                f"{keep.shape}."
+                f"{_ERROR_PREFIX} mask of shape {mask.shape} does not broadcast to {keep.shape}."
             ) from None
         if mask.dtype == np.bool_:
             keep &= mask

@@ -25,9 +25,7 @@ def _is_hadamard_size(head_dim):
     def is_power_of_two(n):
         return n > 0 and n & (n - 1) == 0
 
-    return is_power_of_two(head_dim) or (
-        head_dim % 12 == 0 and is_power_of_two(head_dim // 12)
-    )
+    return is_power_of_two(head_dim) or (head_dim % 12 == 0 and is_power_of_two(head_dim // 12))
 
 
 def rotate_forward(x: mx.array, signs, matrix, scale: float) -> mx.array:
@@ -71,14 +69,8 @@ class Rotation:
             raise ValueError(
                 f"{_ERROR_PREFIX} head_dim must be a positive integer, got {head_dim!r}."
             )
-        if (
-            isinstance(seed, bool)
-            or not isinstance(seed, (int, np.integer))
-            or seed < 0
-        ):
-            raise ValueError(
-                f"{_ERROR_PREFIX} seed must be a non-negative integer, got {seed!r}."
-            )
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"{_ERROR_PREFIX} seed must be a non-negative integer, got {seed!r}.")
         self._head_dim = int(head_dim)
         self._seed = int(seed)
         self._uses_hadamard = _is_hadamard_size(self._head_dim)

@@ -43,8 +43,16 @@ __all__ = ["main", "compact_entry", "ContextLengthError"]
 # The names of mlx_lm.server this module replaces or subclasses while it runs
 # (checked first, so that an mlx-lm whose server differs gives a clear error).
 _HOOKED = (
-    "argparse", "main", "load", "make_prompt_cache", "BatchGenerator", "LRUPromptCache",
-    "ModelProvider", "ResponseGenerator", "APIHandler", "_run_http_server",
+    "argparse",
+    "main",
+    "load",
+    "make_prompt_cache",
+    "BatchGenerator",
+    "LRUPromptCache",
+    "ModelProvider",
+    "ResponseGenerator",
+    "APIHandler",
+    "_run_http_server",
 )
 
 
@@ -59,7 +67,9 @@ def _cache_summary(caches) -> dict:
     nbytes = cache_nbytes(caches)
     compressed = [c for c in caches if isinstance(c, TurboQuantKVCache)]
     return dict(
-        layers=len(caches), compressed=len(compressed), nbytes=nbytes["total"],
+        layers=len(caches),
+        compressed=len(compressed),
+        nbytes=nbytes["total"],
         stored=sum(c.used_nbytes for c in compressed)
         + sum(c.nbytes for c in caches if not isinstance(c, TurboQuantKVCache)),
         fp16=nbytes["dense_equivalent"],
@@ -68,9 +78,11 @@ def _cache_summary(caches) -> dict:
 
 def _describe(caches, tokens: int) -> str:
     s = _cache_summary(caches)
-    return (f"{tokens} tokens, {s['compressed']}/{s['layers']} layers compressed, "
-            f"{s['nbytes'] / 1e6:.3f} MB held ({s['stored'] / 1e6:.3f} MB of stored tokens; "
-            f"fp16: {s['fp16'] / 1e6:.3f} MB)")
+    return (
+        f"{tokens} tokens, {s['compressed']}/{s['layers']} layers compressed, "
+        f"{s['nbytes'] / 1e6:.3f} MB held ({s['stored'] / 1e6:.3f} MB of stored tokens; "
+        f"fp16: {s['fp16'] / 1e6:.3f} MB)"
+    )
 
 
 # Attributes of a TurboQuantKVCache that its state does not carry (runtime settings).
@@ -181,8 +193,7 @@ def _hooks(S, argv: Optional[List[str]]):
         def __init__(self, *args, **kwargs):
             kwargs["conflict_handler"] = "resolve"
             kwargs["description"] = (
-                "OpenAI-compatible HTTP server (mlx-lm's) with a TurboQuant-compressed "
-                "KV cache."
+                "OpenAI-compatible HTTP server (mlx-lm's) with a TurboQuant-compressed KV cache."
             )
             kwargs.setdefault("prog", "turboquant-server")
             super().__init__(*args, **kwargs)
@@ -191,7 +202,9 @@ def _hooks(S, argv: Optional[List[str]]):
             G.add_model_arguments(self)
             G.add_cache_arguments(self)
             self.add_argument(
-                "--max-context", type=int, default=None,
+                "--max-context",
+                type=int,
+                default=None,
                 help="The most tokens one request may use, prompt plus max_tokens; a request "
                 "over it gets HTTP 400 (default: the model's context length, "
                 "max_position_embeddings; 0: no limit).",
@@ -219,8 +232,11 @@ def _hooks(S, argv: Optional[List[str]]):
             config = {}
         else:
             model, tokenizer, config = S_load(
-                path, tokenizer_config=tokenizer_config, adapter_path=adapter_path,
-                return_config=True, **kwargs,
+                path,
+                tokenizer_config=tokenizer_config,
+                adapter_path=adapter_path,
+                return_config=True,
+                **kwargs,
             )
             dtype = G._dtype(a.dtype)
             if dtype is not None:

@@ -59,8 +59,18 @@ _CONFIG_FIELDS_V3 = _CONFIG_FIELDS + ("head_dim",)
 _N_ARRAYS = 12
 _N_ARRAYS_V1 = 8
 _ARRAY_FIELDS = (
-    "k_codes", "k_scales", "v_codes", "v_scales", "sink_keys", "sink_values",
-    "window_keys", "window_values", "key_mean", "value_mean", "key_scale", "query_energy",
+    "k_codes",
+    "k_scales",
+    "v_codes",
+    "v_scales",
+    "sink_keys",
+    "sink_values",
+    "window_keys",
+    "window_values",
+    "key_mean",
+    "value_mean",
+    "key_scale",
+    "query_energy",
 )
 _WINDOW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _MAX_CONFIG_VALUE = 2**62  # configuration integers (counts, seed) of a state
@@ -73,12 +83,23 @@ class StateMixin:
 
     def _config_values(self) -> List[int]:
         values = [
-            _FORMAT_VERSION, self.key_bits, self.value_bits, self.seed,
-            self.fp16_sink_tokens, self.fp16_recent_tokens, self.rollback_tokens,
-            self.offset, self._n_comp, self._win_start,
-            int(self.center), int(self.query_aware_keys),
-            _ROPE_PAIRINGS.index(self.rope_pairing), self.rope_dims,
-            self.calibration_tokens, int(self._calibrated), self._q_count,
+            _FORMAT_VERSION,
+            self.key_bits,
+            self.value_bits,
+            self.seed,
+            self.fp16_sink_tokens,
+            self.fp16_recent_tokens,
+            self.rollback_tokens,
+            self.offset,
+            self._n_comp,
+            self._win_start,
+            int(self.center),
+            int(self.query_aware_keys),
+            _ROPE_PAIRINGS.index(self.rope_pairing),
+            self.rope_dims,
+            self.calibration_tokens,
+            int(self._calibrated),
+            self._q_count,
         ]
         if self.padded:  # format 3: the arrays hold padded vectors of the model's dim
             values[0] = _FORMAT_VERSION_PADDED
@@ -91,8 +112,10 @@ class StateMixin:
             comp = [_empty(mx.uint32), _empty(mx.float16), _empty(mx.uint32), _empty(mx.float16)]
         else:
             comp = [
-                self._k_codes[:, :, :n], self._k_scales[:, :, :n],
-                self._v_codes[:, :, :n], self._v_scales[:, :, :n],
+                self._k_codes[:, :, :n],
+                self._k_scales[:, :, :n],
+                self._v_codes[:, :, :n],
+                self._v_scales[:, :, :n],
             ]
         dense = [
             a if not _is_empty(a) else _empty(mx.float16)
@@ -189,8 +212,11 @@ class StateMixin:
                     f"{_PREFIX} configuration value {name} must be an integer, got {shown[:80]}."
                 ) from e
         version = ints[0] if ints else None
-        fields = {1: _CONFIG_FIELDS_V1, _FORMAT_VERSION: _CONFIG_FIELDS,
-                  _FORMAT_VERSION_PADDED: _CONFIG_FIELDS_V3}.get(version)
+        fields = {
+            1: _CONFIG_FIELDS_V1,
+            _FORMAT_VERSION: _CONFIG_FIELDS,
+            _FORMAT_VERSION_PADDED: _CONFIG_FIELDS_V3,
+        }.get(version)
         if fields is None:
             raise ValueError(
                 f"{_PREFIX} unsupported state format version {version} "
@@ -198,8 +224,7 @@ class StateMixin:
             )
         if len(ints) != len(fields):
             raise ValueError(
-                f"{_PREFIX} expected {len(fields)} configuration values "
-                f"{fields}, got {len(ints)}."
+                f"{_PREFIX} expected {len(fields)} configuration values {fields}, got {len(ints)}."
             )
         cfg = dict(zip(fields, ints))
         for name, value in cfg.items():
@@ -220,16 +245,25 @@ class StateMixin:
             except ValueError as e:
                 raise ValueError(f"{_PREFIX} configuration value head_dim: {e}.") from None
             if stored == state_dim:
-                raise ValueError(f"{_PREFIX} configuration value head_dim = {state_dim} in a "
-                                 "padded state (format 3), but that head dim is not padded.")
+                raise ValueError(
+                    f"{_PREFIX} configuration value head_dim = {state_dim} in a "
+                    "padded state (format 3), but that head dim is not padded."
+                )
         pairing = cfg.get("rope_pairing", 1)
         if not 0 <= pairing < len(_ROPE_PAIRINGS):
             raise ValueError(f"{_PREFIX} unknown rope_pairing code {pairing}.")
         self._configure(
-            cfg["key_bits"], cfg["value_bits"], cfg["seed"], cfg["fp16_sink_tokens"],
-            cfg["fp16_recent_tokens"], cfg["rollback_tokens"],
-            cfg.get("center", 0), cfg.get("query_aware_keys", 0), _ROPE_PAIRINGS[pairing],
-            cfg.get("rope_dims", 0), cfg.get("calibration_tokens", 32),
+            cfg["key_bits"],
+            cfg["value_bits"],
+            cfg["seed"],
+            cfg["fp16_sink_tokens"],
+            cfg["fp16_recent_tokens"],
+            cfg["rollback_tokens"],
+            cfg.get("center", 0),
+            cfg.get("query_aware_keys", 0),
+            _ROPE_PAIRINGS[pairing],
+            cfg.get("rope_dims", 0),
+            cfg.get("calibration_tokens", 32),
         )
         self._reset_storage()
         self.offset = _check_int("offset", cfg["offset"])
@@ -282,13 +316,18 @@ class StateMixin:
             raise bad("lever statistics in an uncalibrated cache")
         if self._calibrated and self.center and mk is None:
             raise bad("a calibrated cache with center has no key_mean/value_mean")
-        levers = [(name, named[name]) for name in ("key_mean", "value_mean", "key_scale")
-                  if named[name] is not None]
+        levers = [
+            (name, named[name])
+            for name in ("key_mean", "value_mean", "key_scale")
+            if named[name] is not None
+        ]
         lever_shape = levers[0][1].shape if levers else None
         for name, a in levers:
             if a.shape != lever_shape or a.shape[2] != 1 or a.dtype != mx.float32:
-                raise bad(f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected "
-                          f"(B, H, 1, D) float32 like {levers[0][0]}")
+                raise bad(
+                    f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected "
+                    f"(B, H, 1, D) float32 like {levers[0][0]}"
+                )
         if qe is not None and qe.dtype != mx.float32:
             raise bad(f"query_energy of dtype {qe.dtype}, expected float32")
 
@@ -312,8 +351,11 @@ class StateMixin:
 
         # Batch, heads and head dim from the first present array of the segments.
         ref_name, ref = next(
-            ((k, named[k]) for k in ("sink_keys", "window_keys", "k_codes")
-             if named[k] is not None),
+            (
+                (k, named[k])
+                for k in ("sink_keys", "window_keys", "k_codes")
+                if named[k] is not None
+            ),
             (None, None),
         )
         if ref is None:
@@ -326,16 +368,23 @@ class StateMixin:
         wk_words, wv_words = self._check_head_dim(head_dim, bad)
         model_dim = getattr(self, "_state_head_dim", None) or head_dim
         if padded_head_dim(model_dim) != head_dim:
-            raise bad(f"head dim {model_dim} is stored padded to {padded_head_dim(model_dim)}, "
-                      f"but the arrays hold {head_dim} channels")
+            raise bad(
+                f"head dim {model_dim} is stored padded to {padded_head_dim(model_dim)}, "
+                f"but the arrays hold {head_dim} channels"
+            )
 
         # fp16 segments: keys and values of one shape (B, H, tokens, D), one float dtype.
-        dense = [(k, named[k]) for k in ("sink_keys", "sink_values", "window_keys",
-                                         "window_values") if named[k] is not None]
+        dense = [
+            (k, named[k])
+            for k in ("sink_keys", "sink_values", "window_keys", "window_values")
+            if named[k] is not None
+        ]
         for name, a in dense:
             if (a.shape[0], a.shape[1], a.shape[3]) != (B, H, head_dim):
-                raise bad(f"{name} of shape {tuple(a.shape)}, expected (B, H, tokens, D) = "
-                          f"({B}, {H}, tokens, {head_dim})")
+                raise bad(
+                    f"{name} of shape {tuple(a.shape)}, expected (B, H, tokens, D) = "
+                    f"({B}, {H}, tokens, {head_dim})"
+                )
             if a.dtype not in _WINDOW_DTYPES:
                 raise bad(f"{name} of dtype {a.dtype}, expected float16, bfloat16 or float32")
             if a.dtype != dense[0][1].dtype:
@@ -343,8 +392,10 @@ class StateMixin:
         for kname, vname in (("sink_keys", "sink_values"), ("window_keys", "window_values")):
             k_, v_ = named[kname], named[vname]
             if (k_ is None) != (v_ is None) or (k_ is not None and k_.shape != v_.shape):
-                raise bad(f"{kname} of shape {None if k_ is None else tuple(k_.shape)} but "
-                          f"{vname} of shape {None if v_ is None else tuple(v_.shape)}")
+                raise bad(
+                    f"{kname} of shape {None if k_ is None else tuple(k_.shape)} but "
+                    f"{vname} of shape {None if v_ is None else tuple(v_.shape)}"
+                )
         ns = min(off, S)
         if (0 if sk is None else sk.shape[2]) != ns:
             raise bad(f"expected {ns} sink tokens, got {0 if sk is None else sk.shape[2]}")
@@ -362,8 +413,9 @@ class StateMixin:
                 ("v_scales", vs, (B, H, n), mx.float16),
             ):
                 if tuple(a.shape) != shape or a.dtype != dtype:
-                    raise bad(f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected "
-                              f"{shape} / {dtype}")
+                    raise bad(
+                        f"{name} of shape {tuple(a.shape)} / {a.dtype}, expected {shape} / {dtype}"
+                    )
         elif any(a is not None for a in (kc, ks, vc, vs)):
             raise bad("compressed arrays without compressed tokens")
 
@@ -377,9 +429,12 @@ class StateMixin:
                 raise bad("window tokens or missing compressed tokens without a window")
         else:
             if (
-                self._win_start < S or self._win_start > max(S, off)
-                or nw != max(0, off - self._win_start) or nw > self._window_capacity
-                or S + n < min(self._win_start, off) or n < max(0, off - R - S)
+                self._win_start < S
+                or self._win_start > max(S, off)
+                or nw != max(0, off - self._win_start)
+                or nw > self._window_capacity
+                or S + n < min(self._win_start, off)
+                or n < max(0, off - R - S)
             ):
                 raise bad(
                     f"window of {nw} tokens from window_start {self._win_start} does not match "
@@ -408,8 +463,10 @@ class StateMixin:
     def _check_head_dim(self, head_dim, bad):
         """Words per token of the keys and values at ``head_dim``, or ``bad``'s error."""
         try:
-            return (ops.words_per_token(head_dim, self.key_bits),
-                    ops.words_per_token(head_dim, self.value_bits))
+            return (
+                ops.words_per_token(head_dim, self.key_bits),
+                ops.words_per_token(head_dim, self.value_bits),
+            )
         except Exception as e:
             raise bad(f"head dim {head_dim} is not supported: {e}") from e
 

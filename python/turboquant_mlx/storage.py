@@ -66,10 +66,20 @@ class StorageMixin:
             self._append_code_space(keys, values, signs, self._mu_k, self._mu_v)
             return
         # Decode-sized appends have a fixed shape: compiled (see codespace._COMPILE).
-        fn = (_fused_to_code_space if codespace._COMPILE and n <= self.decode_max_queries
-              else _to_code_space)
-        k_rot, v_rot = fn(keys, values, self._mu_k, self._mu_v, self._key_scale,
-                          *self._rotation.params(), self.rotate_values)
+        fn = (
+            _fused_to_code_space
+            if codespace._COMPILE and n <= self.decode_max_queries
+            else _to_code_space
+        )
+        k_rot, v_rot = fn(
+            keys,
+            values,
+            self._mu_k,
+            self._mu_v,
+            self._key_scale,
+            *self._rotation.params(),
+            self.rotate_values,
+        )
         self._append_code_space(k_rot, v_rot)
 
     def _op_signs(self):
@@ -81,8 +91,9 @@ class StorageMixin:
             return None
         return self._rotation.kernel_signs
 
-    def _append_code_space(self, k_rot: mx.array, v_rot: mx.array, signs=None, mu_k=None,
-                           mu_v=None):
+    def _append_code_space(
+        self, k_rot: mx.array, v_rot: mx.array, signs=None, mu_k=None, mu_v=None
+    ):
         """Appends tokens in code space (see :func:`_to_code_space`), or, with
         ``signs``, model-space tokens that the op centers (``mu_k``/``mu_v``, or
         None) and rotates."""
@@ -91,38 +102,85 @@ class StorageMixin:
         v_signs = signs if self.rotate_values else None
         if self._buffers_private:
             # Written in place, keys and values in one node.
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales = (
-                ops.quantize_append_kv(
-                    self._k_codes, self._k_scales, self._v_codes, self._v_scales, k_rot, v_rot,
-                    self._k_centroids, self._v_centroids, self._n_comp, self.key_bits,
-                    self.value_bits, key_rotation_signs=signs, value_rotation_signs=v_signs,
-                    key_mean=mu_k, value_mean=mu_v,
-                ))
+            self._k_codes, self._k_scales, self._v_codes, self._v_scales = ops.quantize_append_kv(
+                self._k_codes,
+                self._k_scales,
+                self._v_codes,
+                self._v_scales,
+                k_rot,
+                v_rot,
+                self._k_centroids,
+                self._v_centroids,
+                self._n_comp,
+                self.key_bits,
+                self.value_bits,
+                key_rotation_signs=signs,
+                value_rotation_signs=v_signs,
+                key_mean=mu_k,
+                value_mean=mu_v,
+            )
         else:
             self._k_codes, self._k_scales = ops.quantize_append(
-                self._k_codes, self._k_scales, k_rot, self._k_centroids, self._n_comp,
-                self.key_bits, rotation_signs=signs, mean=mu_k,
+                self._k_codes,
+                self._k_scales,
+                k_rot,
+                self._k_centroids,
+                self._n_comp,
+                self.key_bits,
+                rotation_signs=signs,
+                mean=mu_k,
             )
             self._v_codes, self._v_scales = ops.quantize_append(
-                self._v_codes, self._v_scales, v_rot, self._v_centroids, self._n_comp,
-                self.value_bits, rotation_signs=v_signs, mean=mu_v,
+                self._v_codes,
+                self._v_scales,
+                v_rot,
+                self._v_centroids,
+                self._n_comp,
+                self.value_bits,
+                rotation_signs=v_signs,
+                mean=mu_v,
             )
         self._n_comp += n
         # Without in_place the outputs reused buffers nothing else held, or are copies.
         self._buffers_private = True
 
-    def _decoded(self, start, length, dtype=mx.float32, key_rows=(None, None),
-                 value_rows=(None, None), into=(None, None)):
+    def _decoded(
+        self,
+        start,
+        length,
+        dtype=mx.float32,
+        key_rows=(None, None),
+        value_rows=(None, None),
+        into=(None, None),
+    ):
         """Keys and values of compressed tokens ``[start, start+length)`` as stored
         (rotated, centered, scaled): :func:`ops.dequantize` of both buffers in
         ``dtype``, each with its ``(prefix, suffix)`` rows around the tokens and the
         buffer it is written ``into`` (the prefill's)."""
-        k = ops.dequantize(self._k_codes, self._k_scales, self._k_centroids, self.key_bits,
-                           start, length, dtype=dtype, prefix=key_rows[0], suffix=key_rows[1],
-                           into=into[0])
-        v = ops.dequantize(self._v_codes, self._v_scales, self._v_centroids, self.value_bits,
-                           start, length, dtype=dtype, prefix=value_rows[0],
-                           suffix=value_rows[1], into=into[1])
+        k = ops.dequantize(
+            self._k_codes,
+            self._k_scales,
+            self._k_centroids,
+            self.key_bits,
+            start,
+            length,
+            dtype=dtype,
+            prefix=key_rows[0],
+            suffix=key_rows[1],
+            into=into[0],
+        )
+        v = ops.dequantize(
+            self._v_codes,
+            self._v_scales,
+            self._v_centroids,
+            self.value_bits,
+            start,
+            length,
+            dtype=dtype,
+            prefix=value_rows[0],
+            suffix=value_rows[1],
+            into=into[1],
+        )
         return k, v
 
     def _dequantized(self, start, length, dtype):
@@ -177,9 +235,17 @@ class StorageMixin:
         if self._win_buf is not None and self._win_buf.view is self._win_k:
             window = (self._win_buf.keys, self._win_buf.values)
         arrays = (
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales,
-            self._sink_k, self._sink_v,
-        ) + window + self._lever_arrays()
+            (
+                self._k_codes,
+                self._k_scales,
+                self._v_codes,
+                self._v_scales,
+                self._sink_k,
+                self._sink_v,
+            )
+            + window
+            + self._lever_arrays()
+        )
         code_space = []
         if self._code_tail is not None:
             code_space += [self._code_tail.keys, self._code_tail.values]

@@ -144,8 +144,10 @@ class WindowMixin:
                 return self._win_k[:, :, i:j], self._win_v[:, :, i:j]
             if i >= held:
                 return rk[:, :, i - held : j - held], rv[:, :, i - held : j - held]
-            return (mx.concatenate([self._win_k[:, :, i:], rk[:, :, : j - held]], axis=2),
-                    mx.concatenate([self._win_v[:, :, i:], rv[:, :, : j - held]], axis=2))
+            return (
+                mx.concatenate([self._win_k[:, :, i:], rk[:, :, : j - held]], axis=2),
+                mx.concatenate([self._win_v[:, :, i:], rv[:, :, : j - held]], axis=2),
+            )
 
         if end > first:
             if self._op_signs() is not None:
@@ -169,8 +171,9 @@ class WindowMixin:
             self._win_buf = None
         self._win_start = keep_from
 
-    def _defer_window_write(self, rk: mx.array, rv: mx.array, P: int, first: int, end: int,
-                            keep_from: int) -> bool:
+    def _defer_window_write(
+        self, rk: mx.array, rv: mx.array, P: int, first: int, end: int, keep_from: int
+    ) -> bool:
         """A single token's window update (position ``P``; positions ``[first, end)``
         leave the window, ``keep_from`` is its new start) without touching the window
         buffer, when the ops take model-space tails (a ring step's tail is the ring, not
@@ -178,9 +181,10 @@ class WindowMixin:
         (or, if it came with a prefill, from the window buffer), and the new one waits
         in ``_win_pending`` until the window is read, the ring holds R of them, or
         ``window_slack`` wait. Returns False where that does not apply."""
-        if self._op_signs() is None or _is_empty(self._win_k_stored):
+        signs = self._op_signs()
+        if signs is None or _is_empty(self._win_k_stored):
             return False
-        if end > first and not self._ring_append(rk, rv, P, first, end):
+        if end > first and not self._ring_append(rk, rv, P, first, end, signs):
             leaving = self._recent_token(first, end) or self._stored_window_token(first, end)
             if leaving is None:
                 return False
@@ -193,28 +197,47 @@ class WindowMixin:
             self._sync_window()
         return True
 
-    def _ring_append(self, rk: mx.array, rv: mx.array, P: int, first: int, end: int) -> bool:
+    def _ring_append(self, rk: mx.array, rv: mx.array, P: int, first: int, end: int, signs) -> bool:
         """The single token at ``P`` enters a ring in sync with a full window, and the
         token at ``first`` (``P - R``), which leaves it from the same slot, is
-        quantized, both as one node (:func:`ops.ring_append_kv`). The ring then holds
-        position ``P``: the step's attention reads it as it is. False (nothing done)
-        where that does not apply."""
+        quantized, both as one node (:func:`ops.ring_append_kv`; ``signs``: the
+        cache's :meth:`_op_signs`). The ring then holds position ``P``: the step's
+        attention reads it as it is. False (nothing done) where that does not apply."""
         ring, R = self._ring, self.fp16_recent_tokens
-        if (ring is None or ring.position != P or end - first != 1 or first != P - R
-                or not ops.has_ring_append()):
+        if (
+            ring is None
+            or ring.position != P
+            or end - first != 1
+            or first != P - R
+            or not ops.has_ring_append()
+        ):
             return False
         slot = ring_slot(ring.keys.shape[2] - R, P, self.fp16_sink_tokens, R)
         self._ring = None  # only the ring may hold its buffers (written in place)
         self._ensure_capacity(self._n_comp + 1)
-        signs = self._op_signs()
         after, self._ring_readers = self._ring_readers, []
-        (self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring_k,
-         ring_v) = ops.ring_append_kv(
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring.keys, ring.values,
-            rk, rv, self._k_centroids, self._v_centroids, self._n_comp, slot,
-            self.key_bits, self.value_bits, key_rotation_signs=signs,
-            value_rotation_signs=signs if self.rotate_values else None,
-            key_mean=self._mu_k, value_mean=self._mu_v, after=after,
+        (self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring_k, ring_v) = (
+            ops.ring_append_kv(
+                self._k_codes,
+                self._k_scales,
+                self._v_codes,
+                self._v_scales,
+                ring.keys,
+                ring.values,
+                rk,
+                rv,
+                self._k_centroids,
+                self._v_centroids,
+                self._n_comp,
+                slot,
+                self.key_bits,
+                self.value_bits,
+                key_rotation_signs=signs,
+                value_rotation_signs=signs if self.rotate_values else None,
+                key_mean=self._mu_k,
+                value_mean=self._mu_v,
+                after=after,
+            )
         )
         self._n_comp += 1
         self._buffers_private = True
@@ -228,8 +251,13 @@ class WindowMixin:
         R = self.fp16_recent_tokens
         ring = self._ring
         held = self._win_k_stored.shape[2]
-        if (len(pending) == R and ring is not None and ring.position == self.offset
-                and drop <= held and self._op_signs() is not None):
+        if (
+            len(pending) == R
+            and ring is not None
+            and ring.position == self.offset
+            and drop <= held
+            and self._op_signs() is not None
+        ):
             # The pending tokens are the window's last R positions, which the ring (in
             # sync) holds too: the window is rebuilt from the kept older part and the
             # ring's two runs, three copies instead of one per pending token.
@@ -290,8 +318,7 @@ class WindowMixin:
         held = self._win_k.shape[2]
         n = rk.shape[2]
         buf = self._win_buf
-        if (buf is not None and buf.view is self._win_k
-                and buf.lo + held + n <= buf.keys.shape[2]):
+        if buf is not None and buf.view is self._win_k and buf.lo + held + n <= buf.keys.shape[2]:
             bk, bv, lo = buf.keys, buf.values, buf.lo
             # Only the buffer may refer to it when the update runs, or MLX copies it.
             buf = self._win_buf = None
