@@ -2122,6 +2122,26 @@ def test_default_finiteness_check():
         cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
 
 
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_copy_while_a_prompt_check_is_pending(copier):
+    # The GPU's way (forced here): a prompt block's finiteness check waits for the next
+    # update, holding the cache's dtype. A copy taken meanwhile (mlx-lm's prompt cache
+    # deep-copies caches after a prompt) carries the pending check: each cache takes
+    # the bad block back out at its own next update.
+    rng = np.random.default_rng(6)
+    cache = TurboQuantKVCache(key_bits=4, value_bits=4, seed=1, fp16_recent_tokens=16)
+    cache._defer_prompt_check = True
+    cache.update_and_fetch(_rand(rng, (1, 2, 24, 64)), _rand(rng, (1, 2, 24, 64)))
+    bad = np.array(_rand(rng, (1, 2, 12, 64)))
+    bad[0, 0, 2, 7] = np.nan
+    cache.update_and_fetch(mx.array(bad), _rand(rng, (1, 2, 12, 64)))
+    twin = copier(cache)
+    for c in (cache, twin):
+        with pytest.raises(ValueError, match=r"\[24, 36\).*taken back out"):
+            c.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
+        assert c.offset == 24
+
+
 @pytest.mark.parametrize("when", ["next block", "decode step", "after trim"])
 def test_deferred_prompt_check_takes_the_block_back_out(when):
     # The GPU's way (forced here): a non-finite prompt block is stored unread; the next

@@ -61,3 +61,20 @@ def _empty(dtype) -> mx.array:
 
 def _is_empty(a) -> bool:
     return a is None or a.size == 0
+
+
+def deepcopy_attributes(src, dst, memo):
+    """Deep-copies ``src``'s attributes into ``dst`` (a cache's ``__deepcopy__``; mlx-lm's
+    prompt cache deep-copies caches). MLX dtypes cannot be copied and are shared, also
+    inside tuples (a GPU prompt block's pending finiteness check holds one)."""
+    import copy
+
+    def copied(value):
+        if isinstance(value, mx.Dtype):
+            return value
+        if type(value) is tuple:
+            return tuple(copied(v) for v in value)
+        return copy.deepcopy(value, memo)
+
+    for key, value in src.__dict__.items():
+        dst.__dict__[key] = copied(value)

@@ -55,7 +55,6 @@ Not supported (refused by ``merge``): ``query_aware_keys`` (preset ``k3v3``), he
 dims the kernels do not rotate themselves (not a power of two, or stored padded).
 """
 
-import copy
 import sys
 from typing import List
 
@@ -65,6 +64,7 @@ from mlx_lm.models.cache import _BaseCache
 
 from . import codebook, ops
 from ._batch_common import _PREFIX, _roll_rows
+from ._common import deepcopy_attributes
 from .attention import ensure_hook, register_cache_class
 from .batch_attention import _BatchAttention
 from .batch_ops import _BatchOperations
@@ -406,8 +406,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
     def __deepcopy__(self, memo):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        deepcopy_attributes(self, new, memo)
         # A deep copy shares the arrays' buffers: neither may write them in place.
         self._private = new._private = False
         self._dpriv = new._dpriv = False

@@ -37,6 +37,7 @@ from ._common import (
     _check_bits,
     _check_int,
     _pad_last,
+    deepcopy_attributes,
     padded_head_dim,
 )
 from .attention import ensure_hook, register_cache_class
@@ -572,13 +573,9 @@ class TurboQuantKVCache(
         return n
 
     def __deepcopy__(self, memo):
-        # mlx dtypes cannot be deep-copied (mlx-lm's LRU prompt cache deep-copies caches).
-        import copy
-
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        deepcopy_attributes(self, new, memo)
         # A deep copy of an mx.array shares its buffer: neither cache may append to the
         # shared buffers in place, nor write the shared ring in place (both start a ring
         # of their own at their next decode step).
