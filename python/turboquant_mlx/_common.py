@@ -3,6 +3,7 @@
 """What the cache's modules share: the error prefix, argument checks, head-dim
 padding and small array helpers."""
 
+import copy
 from typing import Optional
 
 import mlx.core as mx
@@ -67,7 +68,6 @@ def deepcopy_attributes(src, dst, memo):
     """Deep-copies ``src``'s attributes into ``dst`` (a cache's ``__deepcopy__``; mlx-lm's
     prompt cache deep-copies caches). MLX dtypes cannot be copied and are shared, also
     inside tuples (a GPU prompt block's pending finiteness check holds one)."""
-    import copy
 
     def copied(value):
         if isinstance(value, mx.Dtype):

@@ -53,10 +53,8 @@ def _has_kernels(stream, op: str) -> bool:
     global _gpu_kernels
     if _gpu_kernels is None:
         _gpu_kernels = bool(_ext.gpu_available())
-    if stream is None:  # (every decode step's ops ask: the short way)
-        return _gpu_kernels or mx.default_device().type == mx.cpu
     device = _device(stream, op)  # (checks the argument whatever the build)
-    # A build with GPU kernels has them on every device.
+    # Every op call asks: a build with GPU kernels has them on every device.
     return _gpu_kernels or device.type == mx.cpu
 
 
@@ -272,9 +270,7 @@ _METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal ke
 
 def _has_write_kernel(stream, op: str) -> bool:
     """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
-    if not _METAL_BUILD:
-        return _has_kernels(stream, op)
-    return _has_kernels(stream, op) and _device(stream, op).type == mx.cpu
+    return _has_kernels(stream, op) and (not _METAL_BUILD or _device(stream, op).type == mx.cpu)
 
 
 def write_tokens_kv(
