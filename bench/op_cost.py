@@ -115,6 +115,83 @@ def kinds(a):
         )
         return out[:, ::G]
 
+    def quantize_append_kv(st, x):
+        # a window-less preset's append: model-space tokens, rotated and centered by the op
+        i = st["i"] = (st["i"] + 1) % 1024
+        st["codes"], st["scales"], st["vcodes"], st["vscales"] = ops.quantize_append_kv(
+            st["codes"],
+            st["scales"],
+            st["vcodes"],
+            st["vscales"],
+            x,
+            x,
+            st["cent"],
+            st["cent"],
+            i,
+            4,
+            4,
+            key_rotation_signs=st["signs"],
+            value_rotation_signs=st["signs"],
+            key_mean=st["m"],
+            value_mean=st["m"],
+        )
+        return x + 0.0 * st["scales"][:, :, i : i + 1, None]
+
+    def ring_append_kv(st, x):
+        # a window preset's step: the ring slot's token is appended, the new one takes it
+        i = st["i"] = (st["i"] + 1) % 1024
+        slot = i % W
+        out = ops.ring_append_kv(
+            st["codes"],
+            st["scales"],
+            st["vcodes"],
+            st["vscales"],
+            st["ring_k"],
+            st["ring_v"],
+            x.astype(mx.float16),
+            x.astype(mx.float16),
+            st["cent"],
+            st["cent"],
+            i,
+            slot,
+            4,
+            4,
+            key_rotation_signs=st["signs"],
+            value_rotation_signs=st["signs"],
+            key_mean=st["m"],
+            value_mean=st["m"],
+        )
+        st["codes"], st["scales"], st["vcodes"], st["vscales"] = out[:4]
+        st["ring_k"], st["ring_v"] = out[4:]
+        return x + 0.0 * st["scales"][:, :, i : i + 1, None]
+
+    def model_space_attention(tail):
+        def op(st, x):
+            q = mx.repeat(x, G, axis=1).astype(mx.float16)
+            out, _ = ops.compressed_attention(
+                q,
+                st["kc"],
+                st["ks"],
+                st["kc"],
+                st["ks"],
+                st["cent"],
+                st["cent"],
+                C,
+                D**-0.5,
+                4,
+                4,
+                False,
+                tail_k=st["win"][:, :, :tail],
+                tail_v=st["win"][:, :, :tail],
+                rotation_signs=st["signs"],
+                key_mean=st["m"],
+                value_mean=st["m"],
+                out_dtype=mx.float16,
+            )
+            return out[:, ::G].astype(mx.float32)
+
+        return op
+
     def sdpa(st, x):
         q = mx.repeat(x, G, axis=1).astype(mx.float16)
         out = mx.fast.scaled_dot_product_attention(q, st["kf"], st["kf"], scale=D**-0.5)
@@ -132,6 +209,10 @@ def kinds(a):
             "i": 0,
             "codes": mx.zeros((1, H, 1024, D * 4 // 32), dtype=mx.uint32),
             "scales": mx.zeros((1, H, 1024), dtype=mx.float16),
+            "vcodes": mx.zeros((1, H, 1024, D * 4 // 32), dtype=mx.uint32),
+            "vscales": mx.zeros((1, H, 1024), dtype=mx.float16),
+            "ring_k": mx.random.normal((1, H, W, D)).astype(mx.float16),
+            "ring_v": mx.random.normal((1, H, W, D)).astype(mx.float16),
             "cent": mx.array(
                 [
                     -1.5,
@@ -166,6 +247,16 @@ def kinds(a):
         "quantize_append, in place": (setup, quantize_append_in_place),
         "write_tokens (fp16, in place)": (setup, write_tokens),
         f"compressed_attention K4V4 ({C} tokens)": (setup, compressed_attention),
+        "quantize_append_kv (model space, centered)": (setup, quantize_append_kv),
+        "ring_append_kv (model space, centered)": (setup, ring_append_kv),
+        f"compressed_attention model space, 4-token tail ({C} tokens)": (
+            setup,
+            model_space_attention(4),
+        ),
+        f"compressed_attention model space, {W}-token tail ({C} tokens)": (
+            setup,
+            model_space_attention(W),
+        ),
         f"fp16 SDPA ({C} tokens)": (setup, sdpa),
     }
 

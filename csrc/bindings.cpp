@@ -65,6 +65,30 @@ NB_MODULE(_ext, m) {
       "row-major a, b, c (64 floats each); returns 8 x 64 floats (what the lanes held and "
       "stored, see csrc/cuda/simdgroup_matrix_check.cu). Raises on other builds.");
 
+  nb::class_<tq::RotationSigns>(
+      m,
+      "RotationSigns",
+      "The D signs s of a rotation R = H diag(s) / sqrt(D) (power-of-two D), as the ops' "
+      "rotation_signs take them. Ops also accept a plain sequence of floats, converted on "
+      "every call; a cache builds this once. A sequence of the signs itself.")
+      .def(nb::init_implicit<std::vector<float>>(), "signs"_a)
+      .def("__len__", [](const tq::RotationSigns& s) { return s.values.size(); })
+      .def(
+          "__getitem__",
+          [](const tq::RotationSigns& s, Py_ssize_t i) {
+            const auto n = static_cast<Py_ssize_t>(s.values.size());
+            if (i < 0) {
+              i += n;
+            }
+            if (i < 0 || i >= n) {
+              throw nb::index_error();
+            }
+            return s.values[i];
+          })
+      .def("__repr__", [](const tq::RotationSigns& s) {
+        return "RotationSigns(<" + std::to_string(s.values.size()) + " signs>)";
+      });
+
   m.def(
       "quantize_append",
       &tq::quantize_append,
@@ -89,9 +113,9 @@ NB_MODULE(_ext, m) {
             centroids (array): the ``2**bits`` codebook values.
             offset (int): first token slot written.
             bits (int): 2, 3 or 4.
-            rotation_signs (list[float], optional): the ``D`` signs ``s`` of the
-                rotation ``R = H diag(s) / sqrt(D)`` (power-of-two ``D``), which the
-                kernels then apply to ``x`` themselves.
+            rotation_signs (RotationSigns or list[float], optional): the ``D`` signs
+                ``s`` of the rotation ``R = H diag(s) / sqrt(D)`` (power-of-two ``D``),
+                which the kernels then apply to ``x`` themselves.
             mean (array, optional): ``(B, H, 1, D)``, in ``x``'s space: ``x - mean``
                 is quantized (a mean-centered cache).
             in_place (bool): write into the input buffers even while other arrays

@@ -49,6 +49,14 @@ void write_tokens(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs);
 
+/// One RingAppend node (CUDA: one launch of the quantize kernel that also writes the
+/// incoming tokens; the Metal backend raises, as for write_tokens).
+void ring_append(
+    const RingAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs);
+
 void attention(
     const CompressedAttention& prim,
     const mx::Stream& s,

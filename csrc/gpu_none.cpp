@@ -52,6 +52,14 @@ void write_tokens(
   no_kernels("write_tokens");
 }
 
+void ring_append(
+    const RingAppend&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  no_kernels("ring_append_kv");
+}
+
 void attention(
     const CompressedAttention&,
     const mx::Stream&,

@@ -126,7 +126,7 @@ int check_cache(
 // The rotation of `rotation_signs` (D values, each +1 or -1) for x's head dim.
 std::optional<SignedHadamard> signed_hadamard(
     const char* op,
-    const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<RotationSigns>& rotation_signs,
     int head_dim) {
   if (!rotation_signs) {
     return std::nullopt;
@@ -138,18 +138,19 @@ std::optional<SignedHadamard> signed_hadamard(
         head_dim,
         "; rotate the inputs before the op instead.");
   }
-  if (static_cast<int>(rotation_signs->size()) != head_dim) {
+  const std::vector<float>& signs = rotation_signs->values;
+  if (static_cast<int>(signs.size()) != head_dim) {
     fail(
         op,
         "rotation_signs must hold one sign per coordinate (",
         head_dim,
         "), got ",
-        rotation_signs->size(),
+        signs.size(),
         ".");
   }
   SignedHadamard r;
   for (int d = 0; d < head_dim; ++d) {
-    float v = (*rotation_signs)[d];
+    float v = signs[d];
     if (v != 1.0f && v != -1.0f) {
       fail(op, "rotation_signs must be +1 or -1, got ", v, " at coordinate ", d, ".");
     }
@@ -240,7 +241,7 @@ PreparedAppend prepare_append(
     const mx::array& centroids,
     int offset,
     int bits,
-    const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<RotationSigns>& rotation_signs,
     const std::optional<mx::array>& mean,
     const mx::Stream& stream,
     bool x_is_input = true) {
@@ -355,8 +356,8 @@ std::vector<PreparedAppend> prepare_kv_appends(
     int offset,
     int key_bits,
     int value_bits,
-    const std::optional<std::vector<float>>& key_rotation_signs,
-    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<RotationSigns>& key_rotation_signs,
+    const std::optional<RotationSigns>& value_rotation_signs,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,
     const mx::Stream& stream,
@@ -413,7 +414,7 @@ std::vector<mx::array> quantize_append(
     const mx::array& centroids,
     int offset,
     int bits,
-    const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<RotationSigns>& rotation_signs,
     const std::optional<mx::array>& mean,
     bool in_place,
     mx::StreamOrDevice s) {
@@ -446,8 +447,8 @@ std::vector<mx::array> quantize_append_kv(
     int offset,
     int key_bits,
     int value_bits,
-    const std::optional<std::vector<float>>& key_rotation_signs,
-    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<RotationSigns>& key_rotation_signs,
+    const std::optional<RotationSigns>& value_rotation_signs,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,
     mx::StreamOrDevice s) {
@@ -578,8 +579,8 @@ std::vector<mx::array> ring_append_kv(
     int slot,
     int key_bits,
     int value_bits,
-    const std::optional<std::vector<float>>& key_rotation_signs,
-    const std::optional<std::vector<float>>& value_rotation_signs,
+    const std::optional<RotationSigns>& key_rotation_signs,
+    const std::optional<RotationSigns>& value_rotation_signs,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,
     const std::vector<mx::array>& after,
@@ -657,7 +658,7 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& tail_k,
     const std::optional<mx::array>& tail_v,
-    const std::optional<std::vector<float>>& rotation_signs,
+    const std::optional<RotationSigns>& rotation_signs,
     bool rotate_output,
     const std::optional<mx::array>& key_mean,
     const std::optional<mx::array>& value_mean,

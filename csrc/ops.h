@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -13,6 +14,16 @@
 namespace turboquant_mlx {
 
 namespace mx = mlx::core;
+
+/// The D signs s of a Hadamard rotation R = H diag(s) / sqrt(D) (power-of-two D), which
+/// the ops apply in their kernels (their `rotation_signs`). A cache builds it once:
+/// Python converts a sequence of floats on every call, a cost a decode step pays per
+/// layer and op. The ops check the values against their head dim.
+struct RotationSigns {
+  std::vector<float> values;
+
+  explicit RotationSigns(std::vector<float> v) : values(std::move(v)) {}
+};
 
 /// 32-bit words one token of `head_dim` coordinates takes at `bits` per coordinate.
 int words_per_token(int head_dim, int bits);
@@ -35,7 +46,7 @@ std::vector<mx::array> quantize_append(
     const mx::array& centroids,
     int offset,
     int bits,
-    const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& rotation_signs = std::nullopt,
     const std::optional<mx::array>& mean = std::nullopt,
     bool in_place = false,
     mx::StreamOrDevice s = {});
@@ -59,8 +70,8 @@ std::vector<mx::array> quantize_append_kv(
     int offset,
     int key_bits,
     int value_bits,
-    const std::optional<std::vector<float>>& key_rotation_signs = std::nullopt,
-    const std::optional<std::vector<float>>& value_rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& key_rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& value_rotation_signs = std::nullopt,
     const std::optional<mx::array>& key_mean = std::nullopt,
     const std::optional<mx::array>& value_mean = std::nullopt,
     mx::StreamOrDevice s = {});
@@ -112,8 +123,8 @@ std::vector<mx::array> ring_append_kv(
     int slot,
     int key_bits,
     int value_bits,
-    const std::optional<std::vector<float>>& key_rotation_signs = std::nullopt,
-    const std::optional<std::vector<float>>& value_rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& key_rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& value_rotation_signs = std::nullopt,
     const std::optional<mx::array>& key_mean = std::nullopt,
     const std::optional<mx::array>& value_mean = std::nullopt,
     const std::vector<mx::array>& after = {},
@@ -145,7 +156,7 @@ std::vector<mx::array> compressed_attention(
     const std::optional<mx::array>& mask = std::nullopt,
     const std::optional<mx::array>& tail_k = std::nullopt,
     const std::optional<mx::array>& tail_v = std::nullopt,
-    const std::optional<std::vector<float>>& rotation_signs = std::nullopt,
+    const std::optional<RotationSigns>& rotation_signs = std::nullopt,
     bool rotate_output = true,
     const std::optional<mx::array>& key_mean = std::nullopt,
     const std::optional<mx::array>& value_mean = std::nullopt,

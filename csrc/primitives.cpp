@@ -128,8 +128,6 @@ void WriteTokens::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx:
   gpu::write_tokens(*this, stream(), inputs, outputs);
 }
 
-namespace {
-
 /// Tokens [slot, slot + length) of a ring (B, H, slots, D) as a view of its memory.
 mx::array ring_slots_view(const mx::array& ring, int slot, int length) {
   mx::array view(
@@ -142,63 +140,46 @@ mx::array ring_slots_view(const mx::array& ring, int slot, int length) {
   return view;
 }
 
-} // namespace
-
-void RingAppend::eval(
-    bool on_gpu,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+void RingAppend::check_tokens(const std::vector<mx::array>& inputs) const {
+  static const char* const rings[] = {"key ring", "value ring"};
+  static const char* const tokens[] = {"keys", "values"};
   const size_t v_in = append_.inputs_of(0), parts_end = v_in + append_.inputs_of(1);
-  const mx::array& new_k = inputs[parts_end];
-  const int length = new_k.shape(2);
-  const int slot = write_.offset();
-  {
-    static const char* const rings[] = {"key ring", "value ring"};
-    static const char* const tokens[] = {"keys", "values"};
-    check_tokens_apart(
-        "ring_append_kv",
-        rings,
-        tokens,
-        {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]},
-        2,
-        slot);
-  }
-  // 1. The leaving tokens into the compressed caches, read where they are: a view of
-  //    each ring (float32 row-major copies on the CPU, whose kernel reads those).
-  std::vector<mx::array> append_in(inputs.begin(), inputs.begin() + parts_end);
-  for (size_t ring : {size_t(2), v_in + 2}) {
-    append_in[ring] = on_gpu ? ring_slots_view(inputs[ring], slot, length)
-                             : cpu::ring_slots_f32(inputs[ring], slot, length, stream());
-  }
-  std::vector<mx::array> append_out(outputs.begin(), outputs.begin() + 4);
-  // (CPU: the write runs only if the append wrote both parts; an append that refuses
-  // a token raises before writing either, and then the rings keep theirs too)
-  cpu::TaskCount appended = on_gpu ? nullptr : std::make_shared<std::atomic<int>>(0);
-  if (on_gpu) {
-    append_.eval_gpu(append_in, append_out);
-  } else {
-    cpu::quantize_append(append_, stream(), append_in, append_out, appended, slot);
-  }
-  // 2. The new tokens into the slots. The write follows the append, which reads them
-  //    (the CUDA graph orders a kernel after the writers of its inputs: the append's
-  //    outputs), and the earlier readers given as inputs.
-  std::vector<mx::array> write_in = {inputs[2], inputs[v_in + 2], new_k, inputs[parts_end + 1]};
-  write_in.insert(write_in.end(), append_out.begin(), append_out.end());
-  write_in.insert(write_in.end(), inputs.begin() + parts_end + 2, inputs.end());
-  std::vector<mx::array> write_out = {outputs[4], outputs[5]};
-  if (on_gpu) {
-    write_.eval_gpu(write_in, write_out);
-  } else {
-    cpu::write_tokens(write_, stream(), write_in, write_out, appended, 1);
-  }
+  check_tokens_apart(
+      "ring_append_kv",
+      rings,
+      tokens,
+      {inputs[2], inputs[v_in + 2], inputs[parts_end], inputs[parts_end + 1]},
+      2,
+      slot());
 }
 
 void RingAppend::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  eval(false, inputs, outputs);
+  check_tokens(inputs);
+  const size_t v_in = append_.inputs_of(0), parts_end = v_in + append_.inputs_of(1);
+  const int length = inputs[parts_end].shape(2);
+  // 1. The leaving tokens into the compressed caches, from float32 row-major copies of
+  //    their slots (what the CPU kernel reads).
+  std::vector<mx::array> append_in(inputs.begin(), inputs.begin() + parts_end);
+  for (size_t ring : {size_t(2), v_in + 2}) {
+    append_in[ring] = cpu::ring_slots_f32(inputs[ring], slot(), length, stream());
+  }
+  std::vector<mx::array> append_out(outputs.begin(), outputs.begin() + 4);
+  // The write runs only if the append wrote both parts: an append that refuses a token
+  // raises before writing either, and then the rings keep theirs too.
+  cpu::TaskCount appended = std::make_shared<std::atomic<int>>(0);
+  cpu::quantize_append(append_, stream(), append_in, append_out, appended, slot());
+  // 2. The new tokens into the slots.
+  std::vector<mx::array> write_in = {
+      inputs[2], inputs[v_in + 2], inputs[parts_end], inputs[parts_end + 1]};
+  write_in.insert(write_in.end(), append_out.begin(), append_out.end());
+  write_in.insert(write_in.end(), inputs.begin() + parts_end + 2, inputs.end());
+  std::vector<mx::array> write_out = {outputs[4], outputs[5]};
+  cpu::write_tokens(write_, stream(), write_in, write_out, appended, 1);
 }
 
 void RingAppend::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  eval(true, inputs, outputs);
+  check_tokens(inputs);
+  gpu::ring_append(*this, stream(), inputs, outputs);
 }
 
 void CompressedAttention::eval_cpu(

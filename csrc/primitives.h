@@ -226,12 +226,17 @@ class WriteTokens : public mx::Primitive {
   int buffers_;
 };
 
+/// Tokens [slot, slot + length) of a ring (B, H, slots, D) as a view of its memory,
+/// marked strided.
+mx::array ring_slots_view(const mx::array& ring, int slot, int length);
+
 /// A window ring's exchange, for a cache whose recent tokens sit unquantized in a ring
 /// (sinks, then one slot per window position): the tokens in slots [slot, slot + L) of
 /// the key and value rings, the ones leaving the window, are appended to the compressed
 /// caches at `offset` (as QuantizeAppend with in_place, both buffers), and the new
 /// tokens are written into those slots (as WriteTokens). One node instead of two for a
-/// decode step's window update, and the leaving tokens need no array of their own.
+/// decode step's window update, and the leaving tokens need no array of their own; on
+/// CUDA one launch, whose quantize kernel writes the new tokens over the slots it read.
 /// inputs: per part (keys, values) codes, scales, the ring (B,H,slots,D), centroids
 ///         [, mean]; then the new keys and values (B,H,L,D) in the rings' dtype; then
 ///         arrays the write must follow (earlier readers of the slots; ordering only)
@@ -270,8 +275,18 @@ class RingAppend : public mx::Primitive {
         inputs[v + 2].shape()};
   }
 
+  /// The append it makes (its inputs are laid out as this node's, up to the new
+  /// tokens), and the ring slot of the exchange.
+  const QuantizeAppend& append() const {
+    return append_;
+  }
+  int slot() const {
+    return write_.offset();
+  }
+
  private:
-  void eval(bool on_gpu, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs);
+  // Refuses new tokens that share memory with the slots they are written to.
+  void check_tokens(const std::vector<mx::array>& inputs) const;
 
   // The two nodes it stands for: their inputs are laid out as QuantizeAppend's (the
   // ring where x stands) and WriteTokens' (slot = the write's offset).

@@ -878,15 +878,21 @@ TQ_FN void tq_attention_merge_impl(
 ///   codes (batch, heads, cap, D*B/32) uint [TQ_WRITE_CODES];
 ///   scales (batch, heads, cap) half [TQ_WRITE_SCALES]
 ///   mean (batch, heads, D) float [centered]
+/// A ring exchange (incoming non-null): x is a window ring's slots, and once a vector is
+/// read, the incoming token of its position takes its place (x_slots: x's memory,
+/// writable), so that the tokens leaving a ring and those entering it are one launch.
+///   incoming (batch, heads, length, D) XT [exchange], strides p.in_stride
 /// Grid: ceil(batch*heads*length / TQ_QUANT_SIMDGROUPS) threadgroups of TQ_QUANT_THREADS;
 /// smem: 32 + TQ_QUANT_SIMDGROUPS * 2 * D floats.
 template <typename XT, int D, int B>
 TQ_FN void tq_quantize_impl(
-    const TQ_DEV XT* TQ_RESTRICT x,
+    const TQ_DEV XT* x, // (not restrict: an exchange writes it through x_slots)
     const TQ_DEV float* TQ_RESTRICT cent,
     const TQ_DEV float* TQ_RESTRICT mean,
     TQ_DEV tq_uint* TQ_RESTRICT codes,
     TQ_DEV tq_half* TQ_RESTRICT scales,
+    TQ_DEV XT* x_slots,
+    const TQ_DEV XT* TQ_RESTRICT incoming,
     TQ_CONST TQQuantParams& p,
     TQ_TG float* smem,
     TQThread th) {
@@ -980,6 +986,16 @@ TQ_FN void tq_quantize_impl(
     const float scale = cn > 0.0f ? tq_div_rn(norm, cn) : 0.0f;
     scales[b * p.s_stride[0] + h * p.s_stride[1] + (p.offset + pos) * p.s_stride[2]] =
         tq_to_half_rn(scale);
+  }
+  if (incoming != nullptr) { // uniform
+    // Each lane overwrites the coordinates it read into xr above.
+    TQ_DEV XT* dst = x_slots + (xp - x);
+    const TQ_DEV XT* src =
+        incoming + b * p.in_stride[0] + h * p.in_stride[1] + pos * p.in_stride[2];
+    TQ_UNROLL
+    for (int k = 0; k < PER; ++k) {
+      dst[int(th.lane) + k * TQ_SIMD] = src[int(th.lane) + k * TQ_SIMD];
+    }
   }
 }
 

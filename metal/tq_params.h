@@ -134,6 +134,7 @@ struct TQQuantParams {
   int64_t c_stride[3]; // codes buffer: batch, head, token (words)
   int64_t s_stride[3]; // scales buffer: batch, head, token
   int64_t mean_stride[2]; // mean (float32, centered only): batch, head (last axis contiguous)
+  int64_t in_stride[3]; // incoming tokens (a ring exchange only): batch, head, position
   int batch;
   int heads;
   int length;

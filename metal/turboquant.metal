@@ -92,7 +92,7 @@ template <typename XT, int D, int B>
     uint simd [[simdgroup_index_in_threadgroup]]) {
   threadgroup float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
-  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, th);
+  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, nullptr, nullptr, p, smem, th);
 }
 
 template <typename OT, int B>

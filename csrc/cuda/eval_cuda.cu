@@ -603,6 +603,26 @@ dim3 quantize_grid(int64_t vectors, unsigned parts) {
   return dim3(static_cast<unsigned>(blocks), parts);
 }
 
+/// One prepared part's launch (its arrays registered by the caller).
+void launch_part(const PreparedPart& pp, mx::cu::CommandEncoder& enc) {
+  auto f = get_function(ck::quantize_kernel(pp.head_dim, pp.bits, pp.xt), "quantize_append");
+  ck::TQQuantArgs a = pp.args; // (the encoder takes lvalues)
+  enc.add_kernel_node_ex(
+      f,
+      quantize_grid(pp.vectors, 1),
+      dim3(TQ_QUANT_THREADS),
+      dim3(),
+      0u,
+      a.x,
+      a.cent,
+      a.mean,
+      a.codes,
+      a.scales,
+      a.x_slots,
+      a.incoming,
+      a.p);
+}
+
 } // namespace
 
 void quantize_append_part(
@@ -616,21 +636,8 @@ void quantize_append_part(
   if (pp.vectors == 0) {
     return;
   }
-  auto f = get_function(ck::quantize_kernel(pp.head_dim, pp.bits, pp.xt), "quantize_append");
   register_part(pp, enc);
-  ck::TQQuantArgs a = pp.args; // (the encoder takes lvalues)
-  enc.add_kernel_node_ex(
-      f,
-      quantize_grid(pp.vectors, 1),
-      dim3(TQ_QUANT_THREADS),
-      dim3(),
-      0u,
-      a.x,
-      a.cent,
-      a.mean,
-      a.codes,
-      a.scales,
-      a.p);
+  launch_part(pp, enc);
 }
 
 bool quantize_append_at_once(
@@ -662,6 +669,75 @@ bool quantize_append_at_once(
   enc.add_kernel_node_ex(
       f, quantize_grid(k.vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
   return true;
+}
+
+void ring_append(
+    const RingAppend& prim,
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  const QuantizeAppend& append = prim.append();
+  const size_t v_in = append.inputs_of(0), parts_end = v_in + append.inputs_of(1);
+  const int length = inputs[parts_end].shape(2);
+  // The rings in place; each part's x is a view of its ring's slots, which its launch
+  // quantizes and then overwrites with the incoming tokens.
+  std::vector<mx::array> in(inputs.begin(), inputs.begin() + parts_end);
+  mx::array* rings[2] = {&outputs[4], &outputs[5]};
+  const size_t ring_in[2] = {2, v_in + 2};
+  std::vector<mx::array> incoming;
+  for (int t = 0; t < 2; ++t) {
+    take_buffer("ring_append_kv", inputs[ring_in[t]], *rings[t], true, enc);
+    in[ring_in[t]] = ring_slots_view(*rings[t], prim.slot(), length);
+    incoming.push_back(last_axis_contiguous(inputs[parts_end + t], enc));
+  }
+  const auto& parts = append.parts();
+  std::vector<PreparedPart> pps;
+  for (int t = 0; t < 2; ++t) {
+    PreparedPart pp =
+        prepare_part(append, parts[t], enc, &in[t == 0 ? 0 : v_in], &outputs[t == 0 ? 0 : 2]);
+    // The kernel writes where it read: x must be the slots themselves, not a copy.
+    if (mx::gpu_ptr<void>(pp.x) != mx::gpu_ptr<void>(in[ring_in[t]])) {
+      throw std::logic_error("[turboquant_mlx.ring_append_kv] ring slots were copied.");
+    }
+    pp.args.x_slots = mx::gpu_ptr<void>(in[ring_in[t]]);
+    pp.args.incoming = mx::gpu_ptr<void>(incoming[t]);
+    for (int a = 0; a < 3; ++a) {
+      pp.args.p.in_stride[a] = incoming[t].strides()[a];
+    }
+    pps.push_back(std::move(pp));
+  }
+  if (pps[0].vectors == 0) {
+    return;
+  }
+  // Besides a part's own arrays: the incoming tokens, the earlier readers of the slots
+  // (ordering only: MLX's CUDA graph orders a kernel after the writers of its inputs)
+  // and the ring it writes.
+  auto register_exchange = [&](int t) {
+    register_part(pps[t], enc);
+    enc.set_input_array(incoming[t]);
+    for (size_t a = parts_end + 2; a < inputs.size(); ++a) {
+      enc.set_input_array(inputs[a]);
+    }
+    enc.set_output_array(*rings[t]);
+  };
+  const bool pair = parts[0].bits == parts[1].bits && pps[0].xt == pps[1].xt &&
+      pps[0].vectors == pps[1].vectors && incoming[0].dtype() == incoming[1].dtype();
+  if (!pair) {
+    for (int t = 0; t < 2; ++t) {
+      register_exchange(t);
+      launch_part(pps[t], enc);
+    }
+    return;
+  }
+  auto f = get_function(
+      ck::quantize_kernel(pps[0].head_dim, pps[0].bits, pps[0].xt, /* pair = */ true),
+      "ring_append_kv");
+  register_exchange(0);
+  register_exchange(1);
+  ck::TQQuantArgs ka = pps[0].args, va = pps[1].args;
+  enc.add_kernel_node_ex(
+      f, quantize_grid(pps[0].vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
 }
 
 void attention(

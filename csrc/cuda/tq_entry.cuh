@@ -77,9 +77,11 @@ __global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_kernel(
     const float* __restrict__ mean,
     unsigned int* __restrict__ codes,
     __half* __restrict__ scales,
+    XT* x_slots,
+    const XT* __restrict__ incoming,
     const __grid_constant__ TQQuantParams p) {
   __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
-  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, p, smem, tq_thread());
+  tq_quantize_impl<XT, D, B>(x, cent, mean, codes, scales, x_slots, incoming, p, smem, tq_thread());
 }
 
 template <typename OT, int B>
@@ -114,6 +116,8 @@ struct TQQuantArgs {
   const float* mean;
   unsigned int* codes;
   __half* scales;
+  void* x_slots; // a ring exchange: x's memory, and the tokens that take it
+  const void* incoming;
   TQQuantParams p;
 };
 
@@ -124,7 +128,16 @@ __global__ void __launch_bounds__(TQ_QUANT_THREADS) tq_quantize_pair_kernel(
   __shared__ float smem[32 + TQ_QUANT_SIMDGROUPS * 2 * D];
   const TQQuantArgs& a = blockIdx.y == 0 ? keys : values;
   tq_quantize_impl<XT, D, B>(
-      static_cast<const XT*>(a.x), a.cent, a.mean, a.codes, a.scales, a.p, smem, tq_thread());
+      static_cast<const XT*>(a.x),
+      a.cent,
+      a.mean,
+      a.codes,
+      a.scales,
+      static_cast<XT*>(a.x_slots),
+      static_cast<const XT*>(a.incoming),
+      a.p,
+      smem,
+      tq_thread());
 }
 
 /// One buffer's copy: the arguments of tq_copy_kernel.

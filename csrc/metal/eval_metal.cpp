@@ -381,6 +381,15 @@ void write_tokens(
   throw std::runtime_error("[turboquant_mlx.write_tokens] has no Metal kernel in this build.");
 }
 
+void ring_append(
+    const RingAppend&,
+    const mx::Stream&,
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  // (ops.ring_append_kv is an append and slice updates on Metal)
+  throw std::runtime_error("[turboquant_mlx.ring_append_kv] has no Metal kernel in this build.");
+}
+
 void dequantize(
     const Dequantize& prim,
     const mx::Stream& s,

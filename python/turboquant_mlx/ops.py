@@ -14,6 +14,7 @@ from . import _ext, fallback
 
 __all__ = [
     "words_per_token",
+    "RotationSigns",
     "has_kernels",
     "quantize_append",
     "quantize_append_kv",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 words_per_token = _ext.words_per_token
+# The ops' rotation_signs, built once (a plain sequence of floats is converted per call).
+RotationSigns = _ext.RotationSigns
 
 
 def _device(stream, op: str) -> mx.Device:
@@ -80,7 +83,8 @@ def quantize_append(
     """Quantize tokens ``(B, H, L, D)`` into the cache at ``offset``.
 
     ``x`` is in rotated space, or, with ``rotation_signs`` (the signs ``s`` of the
-    rotation ``R = H diag(s) / sqrt(D)`` of a power-of-two ``D``, e.g.
+    rotation ``R = H diag(s) / sqrt(D)`` of a power-of-two ``D``: a sequence of floats,
+    or, converted once, a :class:`RotationSigns`, e.g.
     :attr:`Rotation.kernel_signs <turboquant_mlx.rotation.Rotation.kernel_signs>`), in
     model space: the kernels rotate it, so a decode step needs no rotation kernels.
     With ``mean`` ``(B, H, 1, D)`` (in ``x``'s space), ``x - mean`` is quantized: a

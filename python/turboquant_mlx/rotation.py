@@ -11,10 +11,12 @@ other head dims use a seeded dense random orthogonal matrix.
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+
+from ._ext import RotationSigns
 
 _ERROR_PREFIX = "[turboquant_mlx.rotation]"
 
@@ -134,16 +136,17 @@ class Rotation:
         return rotate_inverse(self._check(y), *self.params())
 
     @property
-    def kernel_signs(self) -> Optional[Tuple[float, ...]]:
+    def kernel_signs(self) -> Optional[RotationSigns]:
         """The signs ``s`` for ops that apply the rotation in their kernels
         (``rotation_signs`` of :func:`turboquant_mlx.ops.quantize_append` and
-        :func:`~turboquant_mlx.ops.compressed_attention`), or None when the kernels
-        cannot: only a power-of-two head dim's Hadamard rotation."""
+        :func:`~turboquant_mlx.ops.compressed_attention`; a sequence of floats, built
+        once so that the ops do not convert them on every call), or None when the
+        kernels cannot: only a power-of-two head dim's Hadamard rotation."""
         d = self._head_dim
         if not self._uses_hadamard or d & (d - 1):
             return None
         if self._kernel_signs is None:
-            self._kernel_signs = tuple(float(v) for v in self._signs_np)
+            self._kernel_signs = RotationSigns([float(v) for v in self._signs_np])
         return self._kernel_signs
 
     def params(self):
