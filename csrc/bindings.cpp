@@ -85,8 +85,21 @@ NB_MODULE(_ext, m) {
             }
             return s.values[i];
           })
-      .def("__repr__", [](const tq::RotationSigns& s) {
-        return "RotationSigns(<" + std::to_string(s.values.size()) + " signs>)";
+      .def(
+          "__repr__",
+          [](const tq::RotationSigns& s) {
+            return "RotationSigns(<" + std::to_string(s.values.size()) + " signs>)";
+          })
+      // Immutable: a copy is the object itself (caches holding it are copied and
+      // deep-copied); pickling stores the signs.
+      .def("__copy__", [](nb::handle self) { return nb::borrow<nb::object>(self); })
+      .def(
+          "__deepcopy__",
+          [](nb::handle self, nb::handle /* memo */) { return nb::borrow<nb::object>(self); },
+          "memo"_a)
+      .def("__getstate__", [](const tq::RotationSigns& s) { return s.values; })
+      .def("__setstate__", [](tq::RotationSigns& s, std::vector<float> values) {
+        new (&s) tq::RotationSigns(std::move(values));
       });
 
   m.def(

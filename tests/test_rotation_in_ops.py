@@ -8,7 +8,9 @@ Runs on MLX's default device (``pytest --device gpu`` for the GPU kernels;
 tests/test_gpu.py also compares the GPU against the CPU backend).
 """
 
+import copy
 import math
+import pickle
 
 import mlx.core as mx
 import numpy as np
@@ -315,6 +317,37 @@ def test_kernel_signs_only_for_power_of_two_hadamard():
     assert len(Rotation(64, seed=0).kernel_signs) == 64
     assert Rotation(96, seed=0).kernel_signs is None  # 12 * 2^3: Hadamard, not 2^k
     assert Rotation(80, seed=0).kernel_signs is None  # dense matrix
+
+
+def test_rotation_signs_object_is_a_sequence_that_copies_and_pickles():
+    signs = Rotation(64, seed=3).kernel_signs
+    assert isinstance(signs, ops.RotationSigns)
+    values = list(signs)
+    assert len(values) == 64 and set(values) == {-1.0, 1.0}
+    assert signs[-1] == values[-1]
+    with pytest.raises(IndexError):
+        signs[64]
+    # immutable: copies are the object itself; a pickle keeps the signs
+    assert copy.copy(signs) is signs and copy.deepcopy(signs) is signs
+    restored = pickle.loads(pickle.dumps(signs))
+    assert isinstance(restored, ops.RotationSigns) and list(restored) == values
+
+
+def test_rotation_signs_object_and_plain_list_quantize_alike():
+    rng = np.random.default_rng(11)
+    rotation = Rotation(64, seed=11)
+    words, scales, c = _tiny_cache(64)
+    x = mx.array(random_tokens(rng, (1, 1, 3, 64)))
+    outs = [
+        ops.quantize_append(words, scales, x, c, 2, 4, rotation_signs=signs)
+        for signs in (rotation.kernel_signs, list(rotation.kernel_signs))
+    ]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # and both rotate as the reference does
+    assert_quantized_rotation(
+        np.array(outs[0][0])[:, :, 2:5], np.array(outs[0][1])[:, :, 2:5], to_np(x), rotation, 4
+    )
 
 
 def _tiny_cache(head_dim, bits=4):
