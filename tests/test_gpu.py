@@ -270,13 +270,15 @@ def test_kv_as_one_launch_bit_exact_vs_cpu(x_dtype):
 
 @pytest.mark.parametrize("x_dtype", (mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("bits", ((4, 4), (4, 2)))
-def test_ring_append_bit_exact_vs_cpu(x_dtype, bits):
-    # A window ring's exchange (one node: the slot's tokens quantized, then the new
+@pytest.mark.parametrize("length,strided", ((1, False), (3, False), (3, True)))
+def test_ring_append_bit_exact_vs_cpu(x_dtype, bits, length, strided):
+    # A window ring's exchange (one node: the slots' tokens quantized, then the new
     # tokens written there) matches the CPU bit for bit: the codes and scales, and the
-    # rings, whose other slots keep their bits. The append reads the slot before the
-    # write overwrites it (within one node, two launches on CUDA; keys and values of
-    # different bits as a launch each).
-    rng = np.random.default_rng(411)
+    # rings, whose other slots keep their bits. On CUDA the quantize kernel writes each
+    # new token over the slot it has read (keys and values one launch, or one each
+    # when their bits differ); new tokens strided along the token axis are read in
+    # place.
+    rng = np.random.default_rng(411 + length)
     batch, heads, capacity, offset, head_dim, slots, slot = 2, 3, 16, 7, 128, 36, 9
     kb, vb = bits
     kw, ksc = poisoned_cache(rng, batch, heads, capacity, head_dim, kb)
@@ -285,8 +287,12 @@ def test_ring_append_bit_exact_vs_cpu(x_dtype, bits):
         mx.array(random_tokens(rng, (batch, heads, slots, head_dim))).astype(x_dtype)
         for _ in range(2)
     ]
+    step = 2 if strided else 1
     new = [
-        mx.array(random_tokens(rng, (batch, heads, 1, head_dim))).astype(x_dtype) for _ in range(2)
+        mx.array(random_tokens(rng, (batch, heads, step * length, head_dim))).astype(x_dtype)[
+            :, :, ::step
+        ]
+        for _ in range(2)
     ]
     mk, mv = (
         mx.array(rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32))
@@ -325,7 +331,7 @@ def test_ring_append_bit_exact_vs_cpu(x_dtype, bits):
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
     ring_k = np.array(rings[0].view(mx.uint16)).copy()
-    ring_k[:, :, slot] = np.array(new[0].view(mx.uint16))[:, :, 0]
+    ring_k[:, :, slot : slot + length] = np.array(new[0].view(mx.uint16))
     np.testing.assert_array_equal(got[4], ring_k)
 
 
