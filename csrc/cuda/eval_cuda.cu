@@ -623,6 +623,19 @@ void launch_part(const PreparedPart& pp, mx::cu::CommandEncoder& enc) {
       a.p);
 }
 
+/// Two prepared parts (keys, values) of the same bits, input type and token count as
+/// one launch (its arrays registered by the caller).
+void launch_pair(
+    const PreparedPart& k,
+    const PreparedPart& v,
+    const char* op,
+    mx::cu::CommandEncoder& enc) {
+  auto f = get_function(ck::quantize_kernel(k.head_dim, k.bits, k.xt, /* pair = */ true), op);
+  ck::TQQuantArgs ka = k.args, va = v.args; // (the encoder takes lvalues)
+  enc.add_kernel_node_ex(
+      f, quantize_grid(k.vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
+}
+
 } // namespace
 
 void quantize_append_part(
@@ -661,13 +674,9 @@ bool quantize_append_at_once(
   if (k.vectors == 0) {
     return true;
   }
-  auto f = get_function(
-      ck::quantize_kernel(k.head_dim, k.bits, k.xt, /* pair = */ true), "quantize_append");
   register_part(k, enc);
   register_part(v, enc);
-  ck::TQQuantArgs ka = k.args, va = v.args;
-  enc.add_kernel_node_ex(
-      f, quantize_grid(k.vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
+  launch_pair(k, v, "quantize_append", enc);
   return true;
 }
 
@@ -696,9 +705,13 @@ void ring_append(
   for (int t = 0; t < 2; ++t) {
     PreparedPart pp =
         prepare_part(append, parts[t], enc, &in[t == 0 ? 0 : v_in], &outputs[t == 0 ? 0 : 2]);
-    // The kernel writes where it read: x must be the slots themselves, not a copy.
+    // The kernel writes where it read (x must be the slots themselves, not a copy), and
+    // reads the incoming tokens as x's type (the op checked they are in the ring's).
     if (mx::gpu_ptr<void>(pp.x) != mx::gpu_ptr<void>(in[ring_in[t]])) {
       throw std::logic_error("[turboquant_mlx.ring_append_kv] ring slots were copied.");
+    }
+    if (incoming[t].dtype() != pp.x.dtype()) {
+      throw std::logic_error("[turboquant_mlx.ring_append_kv] new tokens not in the ring's dtype.");
     }
     pp.args.x_slots = mx::gpu_ptr<void>(in[ring_in[t]]);
     pp.args.incoming = mx::gpu_ptr<void>(incoming[t]);
@@ -721,8 +734,8 @@ void ring_append(
     }
     enc.set_output_array(*rings[t]);
   };
-  const bool pair = parts[0].bits == parts[1].bits && pps[0].xt == pps[1].xt &&
-      pps[0].vectors == pps[1].vectors && incoming[0].dtype() == incoming[1].dtype();
+  const bool pair =
+      parts[0].bits == parts[1].bits && pps[0].xt == pps[1].xt && pps[0].vectors == pps[1].vectors;
   if (!pair) {
     for (int t = 0; t < 2; ++t) {
       register_exchange(t);
@@ -730,14 +743,9 @@ void ring_append(
     }
     return;
   }
-  auto f = get_function(
-      ck::quantize_kernel(pps[0].head_dim, pps[0].bits, pps[0].xt, /* pair = */ true),
-      "ring_append_kv");
   register_exchange(0);
   register_exchange(1);
-  ck::TQQuantArgs ka = pps[0].args, va = pps[1].args;
-  enc.add_kernel_node_ex(
-      f, quantize_grid(pps[0].vectors, 2), dim3(TQ_QUANT_THREADS), dim3(), 0u, ka, va);
+  launch_pair(pps[0], pps[1], "ring_append_kv", enc);
 }
 
 void attention(
