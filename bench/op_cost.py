@@ -96,24 +96,39 @@ def kinds(a):
 
     C, G = a.context, 4  # a decode step's attention of 4 query heads per KV head
 
-    def compressed_attention(st, x):
-        q = mx.repeat(x, G, axis=1).astype(mx.float16)
-        out, _ = ops.compressed_attention(
-            q,
-            st["kc"],
-            st["ks"],
-            st["kc"],
-            st["ks"],
-            st["cent"],
-            st["cent"],
-            C,
-            D**-0.5,
-            4,
-            4,
-            False,
-            rotation_signs=st["signs"],
-        )
-        return out[:, ::G]
+    def compressed_attention(tail=0):
+        # K4V4 over C tokens, the queries rotated by the op; with a tail, a window
+        # preset's step: centered, `tail` fp16 window tokens, a float16 output
+        def op(st, x):
+            q = mx.repeat(x, G, axis=1).astype(mx.float16)
+            window = {}
+            if tail:
+                window = dict(
+                    tail_k=st["win"][:, :, :tail],
+                    tail_v=st["win"][:, :, :tail],
+                    key_mean=st["m"],
+                    value_mean=st["m"],
+                    out_dtype=mx.float16,
+                )
+            out, _ = ops.compressed_attention(
+                q,
+                st["kc"],
+                st["ks"],
+                st["kc"],
+                st["ks"],
+                st["cent"],
+                st["cent"],
+                C,
+                D**-0.5,
+                4,
+                4,
+                False,
+                rotation_signs=st["signs"],
+                **window,
+            )
+            return out[:, ::G].astype(mx.float32)
+
+        return op
 
     def quantize_append_kv(st, x):
         # a window-less preset's append: model-space tokens, rotated and centered by the op
@@ -165,33 +180,6 @@ def kinds(a):
         st["ring_k"], st["ring_v"] = out[4:]
         return x + 0.0 * st["scales"][:, :, i : i + 1, None]
 
-    def model_space_attention(tail):
-        def op(st, x):
-            q = mx.repeat(x, G, axis=1).astype(mx.float16)
-            out, _ = ops.compressed_attention(
-                q,
-                st["kc"],
-                st["ks"],
-                st["kc"],
-                st["ks"],
-                st["cent"],
-                st["cent"],
-                C,
-                D**-0.5,
-                4,
-                4,
-                False,
-                tail_k=st["win"][:, :, :tail],
-                tail_v=st["win"][:, :, :tail],
-                rotation_signs=st["signs"],
-                key_mean=st["m"],
-                value_mean=st["m"],
-                out_dtype=mx.float16,
-            )
-            return out[:, ::G].astype(mx.float32)
-
-        return op
-
     def sdpa(st, x):
         q = mx.repeat(x, G, axis=1).astype(mx.float16)
         out = mx.fast.scaled_dot_product_attention(q, st["kf"], st["kf"], scale=D**-0.5)
@@ -203,7 +191,7 @@ def kinds(a):
             "kc": mx.random.randint(0, 2**31, (1, H, C, wpt)).astype(mx.uint32),
             "ks": mx.full((1, H, C), 0.1, dtype=mx.float16),
             "kf": mx.random.normal((1, H, C, D)).astype(mx.float16),
-            "signs": [1.0 - 2.0 * (j % 3 == 0) for j in range(D)],
+            "signs": ops.RotationSigns([1.0 - 2.0 * (j % 3 == 0) for j in range(D)]),
             "m": mx.zeros(tok, dtype=mx.float32),
             "win": mx.zeros((1, H, W, D), dtype=mx.float16),
             "i": 0,
@@ -246,16 +234,16 @@ def kinds(a):
         "quantize_append (codes+scales)": (setup, quantize_append),
         "quantize_append, in place": (setup, quantize_append_in_place),
         "write_tokens (fp16, in place)": (setup, write_tokens),
-        f"compressed_attention K4V4 ({C} tokens)": (setup, compressed_attention),
+        f"compressed_attention K4V4 ({C} tokens)": (setup, compressed_attention()),
         "quantize_append_kv (model space, centered)": (setup, quantize_append_kv),
         "ring_append_kv (model space, centered)": (setup, ring_append_kv),
         f"compressed_attention model space, 4-token tail ({C} tokens)": (
             setup,
-            model_space_attention(4),
+            compressed_attention(4),
         ),
         f"compressed_attention model space, {W}-token tail ({C} tokens)": (
             setup,
-            model_space_attention(W),
+            compressed_attention(W),
         ),
         f"fp16 SDPA ({C} tokens)": (setup, sdpa),
     }
