@@ -16,6 +16,11 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace tq = turboquant_mlx;
 
+#if defined(TURBOQUANT_EXTRA_BINDINGS)
+// A build of this module for tests adds its own functions (tools/metal_emu).
+void TURBOQUANT_EXTRA_BINDINGS(nb::module_& m);
+#endif
+
 NB_MODULE(_ext, m) {
   m.doc() = "TurboQuant compressed KV-cache primitives for MLX (rotated space).";
   // mx.Dtype defaults below are converted by mlx.core's bindings: load them first.
@@ -326,4 +331,7 @@ NB_MODULE(_ext, m) {
       "slots are zero, or the rows of prefix (B, H, before, D) / suffix (B, H, after, D)\n"
       "where given. into: a row-contiguous array of dtype with at least as many elements;\n"
       "the result is written into its buffer (a temporary reused call after call).");
+#if defined(TURBOQUANT_EXTRA_BINDINGS)
+  TURBOQUANT_EXTRA_BINDINGS(m);
+#endif
 }

@@ -35,26 +35,7 @@
 
 #include "tq_kernels.h"
 
-/// Shape of tq_attention_simd_impl for head dim D (64, 128 or 256).
-template <int D>
-struct TQAttnSimdConfig {
-  static constexpr int ROWS = TQ_ATTN_SIMD_ROWS; // query rows per threadgroup
-  static constexpr int TILE = TQ_ATTN_SIMD_TILE; // tokens per simdgroup and step
-  static constexpr int NSG = TQ_ATTN_SIMDGROUPS;
-  static constexpr int STEP = TQ_ATTN_SIMD_STEP; // tokens per threadgroup step
-  static_assert(ROWS == 8 && TILE == 8 && STEP == NSG * TILE, "one 8x8 fragment per step");
-  static constexpr int KBLK = D / 8; // 8-wide blocks of the head dim
-  // threadgroup floats: the two codebooks as half (16 floats), the query rows as half,
-  // one tile of TILE tokens x D halves per simdgroup (staging of the float query rows
-  // before the loop and the merge of O after it reuse it), (m, l) per simdgroup and row
-  static constexpr int TAB = 16;
-  static constexpr int QH = ROWS * D / 2;
-  static constexpr int TILES = NSG * TILE * D / 2;
-  static constexpr int RED = 2 * NSG * ROWS + 2 * NSG;
-  static constexpr int SMEM = TAB + QH + TILES + RED;
-  static_assert(TILES >= ROWS * D, "the float query rows and O fit the tiles' memory");
-  static_assert(D % 32 == 0 && D <= 256, "head dims 32..256, multiples of 32");
-};
+// (TQAttnSimdConfig<D>, the shape of tq_attention_simd_impl: tq_params.h.)
 
 /// Decodes the D/4 codes of quarter j of one token (B bits each, LSB-first from the
 /// token's first word `tok`) into centroids from `tab`, as half, at dst[0 .. D/4).

@@ -74,6 +74,32 @@ struct TQAttnConfig {
   static constexpr int SMEM = 32 + 2 * TQ_ATTN_SIMDGROUPS * GS * RC + TQ_ATTN_SIMDGROUPS * RC * D;
 };
 
+/// Shape of tq_attention_simd_impl for head dim D (64, 128 or 256).
+template <int D>
+struct TQAttnSimdConfig {
+  static constexpr int ROWS = TQ_ATTN_SIMD_ROWS; // query rows per threadgroup
+  static constexpr int TILE = TQ_ATTN_SIMD_TILE; // tokens per simdgroup and step
+  static constexpr int NSG = TQ_ATTN_SIMDGROUPS;
+  static constexpr int STEP = TQ_ATTN_SIMD_STEP; // tokens per threadgroup step
+  static_assert(ROWS == 8 && TILE == 8 && STEP == NSG * TILE, "one 8x8 fragment per step");
+  static constexpr int KBLK = D / 8; // 8-wide blocks of the head dim
+  // threadgroup floats: the two codebooks as half (16 floats), the query rows as half,
+  // one tile of TILE tokens x D halves per simdgroup (staging of the float query rows
+  // before the loop and the merge of O after it reuse it), (m, l) per simdgroup and row
+  static constexpr int TAB = 16;
+  static constexpr int QH = ROWS * D / 2;
+  static constexpr int TILES = NSG * TILE * D / 2;
+  static constexpr int RED = 2 * NSG * ROWS + 2 * NSG;
+  static constexpr int SMEM = TAB + QH + TILES + RED;
+  static_assert(TILES >= ROWS * D, "the float query rows and O fit the tiles' memory");
+  static_assert(D % 32 == 0 && D <= 256, "head dims 32..256, multiples of 32");
+};
+
+/// Threadgroup memory of each kernel, in floats ([[threadgroup(0)]], set by the host):
+/// attention (portable / simdgroup matrices), merge, quantize and exchange, dequantize.
+#define TQ_QUANT_SMEM(d) (32 + TQ_QUANT_SIMDGROUPS * 2 * (d))
+#define TQ_DEQUANT_SMEM 16
+
 /// Attention over the compressed cache, pass 1 (or the only pass when n_splits == 1).
 struct TQAttnParams {
   int64_t q_stride[3]; // q: batch, head, position (elements; last axis contiguous)

