@@ -199,7 +199,7 @@ NB_MODULE(_ext, m) {
       "value_mean"_a = nb::none(),
       "after"_a = std::vector<tq::mx::array>{},
       "stream"_a = nb::none(),
-      R"(A window ring's exchange as one graph node (CPU and CUDA streams).
+      R"(A window ring's exchange as one graph node (CPU, CUDA and Metal streams).
 
         The tokens in slots ``[slot, slot + L)`` of ``k_ring`` / ``v_ring``
         ``(B, H, slots, D)`` (the ones leaving a cache's window) are quantized into

@@ -187,9 +187,11 @@ template <typename XT, int D, int B>
     uint simd [[simdgroup_index_in_threadgroup]]) {
   TQThread th = {tg.x, tg.y, tg.z, tid, lane, simd};
   if (tg.y == 0) {
-    tq_quantize_impl<XT, D, B>(k_slots, k_cent, k_mean, k_codes, k_scales, k_slots, k_in, k_p, smem, th);
+    tq_quantize_impl<XT, D, B>(
+        k_slots, k_cent, k_mean, k_codes, k_scales, k_slots, k_in, k_p, smem, th);
   } else {
-    tq_quantize_impl<XT, D, B>(v_slots, v_cent, v_mean, v_codes, v_scales, v_slots, v_in, v_p, smem, th);
+    tq_quantize_impl<XT, D, B>(
+        v_slots, v_cent, v_mean, v_codes, v_scales, v_slots, v_in, v_p, smem, th);
   }
 }
 

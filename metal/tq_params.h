@@ -72,6 +72,7 @@ struct TQAttnConfig {
   // threadgroup floats: 2 codebooks (16 each), per-group (m, l) for RC rows, and one
   // o[RC][D] per simdgroup for the final reduction.
   static constexpr int SMEM = 32 + 2 * TQ_ATTN_SIMDGROUPS * GS * RC + TQ_ATTN_SIMDGROUPS * RC * D;
+  static_assert(SMEM % 4 == 0, "Metal threadgroup memory comes in multiples of 16 bytes");
 };
 
 /// Shape of tq_attention_simd_impl for head dim D (64, 128 or 256).
@@ -91,6 +92,7 @@ struct TQAttnSimdConfig {
   static constexpr int TILES = NSG * TILE * D / 2;
   static constexpr int RED = 2 * NSG * ROWS + 2 * NSG;
   static constexpr int SMEM = TAB + QH + TILES + RED;
+  static_assert(SMEM % 4 == 0, "Metal threadgroup memory comes in multiples of 16 bytes");
   static_assert(TILES >= ROWS * D, "the float query rows and O fit the tiles' memory");
   static_assert(D % 32 == 0 && D <= 256, "head dims 32..256, multiples of 32");
 };

@@ -123,13 +123,29 @@ EOF
 )
 DEVICE=${DEVICE:-cpu}
 
+# -- the first-use self-check ----------------------------------------------------------
+# What the package runs before it first uses the kernels on the GPU, here with its
+# result printed (a mismatch would otherwise only warn and fall back).
+if [ "$DEVICE" = gpu ]; then
+  run_step "first-use self-check of the Metal kernels (selfcheck.check_kernels)" \
+    "$WORK/selfcheck.log" "$PY" -c '
+import sys, time, mlx.core as mx
+from turboquant_mlx import _ext, selfcheck
+t = time.perf_counter()
+problem = selfcheck.check_kernels(_ext, mx.gpu)
+print(f"self-check: {problem or 'passed'} ({time.perf_counter() - t:.2f} s, kernel compiles included)")
+sys.exit(problem is not None)'
+fi
+
 # -- tests ----------------------------------------------------------------------------
 if [ "$NPYTEST" = 0 ]; then PYTEST_ARGS=(tests); fi
 # From the repository root the installed package (with its compiled extension) is the
-# one imported: the sources are under python/, not on the path.
+# one imported: the sources are under python/, not on the path. The kernels are tested
+# as they are (TURBOQUANT_METAL_KERNELS=on): a failed self-check must not turn the GPU
+# tests into tests of the fallback.
 run_step "test suite (pytest --device $DEVICE)" "$WORK/tests.log" \
-  "$PY" -m pytest -q -ra --device "$DEVICE" --junitxml "$WORK/junit.xml" \
-  -p no:cacheprovider "${PYTEST_ARGS[@]}"
+  env TURBOQUANT_METAL_KERNELS=on "$PY" -m pytest -q -ra --device "$DEVICE" \
+  --junitxml "$WORK/junit.xml" -p no:cacheprovider "${PYTEST_ARGS[@]}"
 
 # -- benchmarks -----------------------------------------------------------------------
 if [ "$FAST" = 1 ]; then
@@ -138,17 +154,22 @@ if [ "$FAST" = 1 ]; then
                --steps 3 --warmup 1 --rounds 1 --chunk 512)
   ATTN_ARGS=(--contexts 1024,4096 --append-contexts 1024 --q-heads 8 --kv-heads 2)
 else
-  # An 8B-shaped 4-bit llama (about 4.5 GB of weights) at 4k and 16k: the caches of
-  # one context are held together (fp16 16k: 2 GiB). Below 16 GiB of memory, half the
-  # layers.
+  # An 8B-shaped 4-bit llama (about 4.5 GB of weights); the caches of one context are
+  # held together (fp16: 2 GiB at 16k, 4 at 32k, 16 at 128k). Contexts by memory:
+  # 4k/32k/128k from 64 GiB, 4k/32k from 24 GiB, else 4k/16k (half the layers below
+  # 16 GiB).
   if [ "$OS" = Darwin ]; then MEM=$(sysctl -n hw.memsize 2>/dev/null || echo 0)
   else MEM=$(( $(getconf _PHYS_PAGES) * $(getconf PAGE_SIZE) )); fi
-  DECODE_ARGS=(--contexts 4096,16384 --caches fp16,tq4,k4v3,tq4-plain --steps 20 --rounds 3)
-  if [ "$MEM" -lt $((15 * 1024 * 1024 * 1024)) ]; then DECODE_ARGS+=(--layers 16); fi
+  GIB=$((1024 * 1024 * 1024))
+  if [ "$MEM" -ge $((64 * GIB)) ]; then CONTEXTS=4096,32768,131072
+  elif [ "$MEM" -ge $((24 * GIB)) ]; then CONTEXTS=4096,32768
+  else CONTEXTS=4096,16384; fi
+  DECODE_ARGS=(--contexts "$CONTEXTS" --caches fp16,k4v4,tq4,k4v3 --steps 20 --rounds 3)
+  if [ "$MEM" -lt $((15 * GIB)) ]; then DECODE_ARGS+=(--layers 16); fi
   ATTN_ARGS=(--contexts 4096,16384,65536 --append-contexts 4096,65536)
 fi
 run_step "decode benchmark (bench/bench_decode.py ${DECODE_ARGS[*]})" "$WORK/bench_decode.log" \
-  "$PY" bench/bench_decode.py --device "$DEVICE" "${DECODE_ARGS[@]}"
+  env TURBOQUANT_METAL_KERNELS=on "$PY" bench/bench_decode.py --device "$DEVICE" "${DECODE_ARGS[@]}"
 run_step "attention benchmark (bench/bench_attention.py ${ATTN_ARGS[*]})" "$WORK/bench_attention.log" \
   "$PY" bench/bench_attention.py --device "$DEVICE" "${ATTN_ARGS[@]}"
 
@@ -311,7 +332,8 @@ else:
     w("No test results (pytest did not run or could not start):\n")
     w("```\n" + tail(read(tests_log or ""), 60) + "\n```")
 
-for title, log in (("Decode benchmark", "bench_decode.log"),
+for title, log in (("First-use self-check", "selfcheck.log"),
+                   ("Decode benchmark", "bench_decode.log"),
                    ("Attention benchmark", "bench_attention.log")):
     w(f"\n## {title}\n")
     text = read(os.path.join(work, log))

@@ -94,8 +94,8 @@ TypeNames type_names(mx::Dtype t, const char* op) {
   }
   throw std::invalid_argument(
       std::string("[turboquant_mlx.") + op + "] expects float32, float16 or bfloat16, got a " +
-      std::to_string(t.size()) + "-byte " + (mx::issubdtype(t, mx::floating) ? "float" : "integer") +
-      " dtype.");
+      std::to_string(t.size()) + "-byte " +
+      (mx::issubdtype(t, mx::floating) ? "float" : "integer") + " dtype.");
 }
 
 KernelRef attention_kernel(bool simd, mx::Dtype q, int d, int kb, int vb) {
@@ -139,10 +139,10 @@ KernelRef copy_kernel(size_t itemsize) {
                        : KernelRef{"tq_copy_u16", "tq_copy", "ushort"};
 }
 
-/// Binds `floats` floats of threadgroup memory at [[threadgroup(0)]] (Metal wants
-/// lengths in multiples of 16 bytes).
+/// Binds `floats` floats of threadgroup memory at [[threadgroup(0)]]. (Metal wants a
+/// multiple of 16 bytes: the kernels' sizes in tq_params.h are multiples of 4 floats.)
 void set_threadgroup_floats(mx::metal::CommandEncoder& enc, int floats) {
-  enc.set_threadgroup_memory_length(((size_t(floats) * sizeof(float) + 15) / 16) * 16, 0);
+  enc.set_threadgroup_memory_length(size_t(floats) * sizeof(float), 0);
 }
 
 /// TQAttnConfig<D> at runtime.
@@ -153,8 +153,8 @@ struct AttnShape {
 AttnShape attn_shape(int d) {
   AttnShape s{0, 0, 0, 0};
   switch (d) {
-#define TQ_SHAPE_CASE(n) \
-  case n:                  \
+#define TQ_SHAPE_CASE(n)                                                                          \
+  case n:                                                                                         \
     s = {TQAttnConfig<n>::DL, TQAttnConfig<n>::RC, TQAttnConfig<n>::STEP, TQAttnConfig<n>::SMEM}; \
     break;
     TQ_SHAPE_CASE(32)
@@ -553,7 +553,8 @@ void ring_append(
     Part& first = ps[t];
     enc.set_compute_pipeline_state(get_kernel(
         d,
-        quantize_kernel(true, first.slots.dtype(), first.head_dim, parts[t].bits, "ring_append_kv")));
+        quantize_kernel(
+            true, first.slots.dtype(), first.head_dim, parts[t].bits, "ring_append_kv")));
     bind(first, t, 0);
     // A single part binds its arguments in the values' slots too (never read: grid y 1).
     bind(pair ? ps[1] : first, pair ? 1 : t, 7);

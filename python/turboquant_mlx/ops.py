@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from . import _ext, fallback
+from . import _ext, fallback, selfcheck
 
 __all__ = [
     "words_per_token",
@@ -57,13 +57,22 @@ def _has_kernels(stream, op: str) -> bool:
     if _gpu_kernels is None:
         _gpu_kernels = bool(_ext.gpu_available())
     device = _device(stream, op)  # (checks the argument whatever the build)
-    # Every op call asks: a build with GPU kernels has them on every device.
-    return _gpu_kernels or device.type == mx.cpu
+    # Every op call asks: a build with GPU kernels has them on every device, except
+    # that Metal's pass their self-check first (selfcheck.py: once per process, then a
+    # cached bool).
+    if (_gpu_kernels and not _METAL_BUILD) or device.type == mx.cpu:
+        return True
+    if not _gpu_kernels:
+        return False
+    usable = selfcheck._usable
+    return usable if usable is not None else selfcheck.metal_kernels_usable(device)
 
 
 def has_kernels(stream=None) -> bool:
     """Whether the ops run hand-written kernels (not the fallback) on ``stream`` (a
-    stream, a device, or ``mx.cpu`` / ``mx.gpu``, as every op's ``stream`` is)."""
+    stream, a device, or ``mx.cpu`` / ``mx.gpu``, as every op's ``stream`` is). On a
+    Metal GPU the first call runs the kernels' self-check (see
+    :func:`turboquant_mlx.selfcheck.metal_kernels_usable`)."""
     return _has_kernels(stream, "has_kernels")
 
 
@@ -318,9 +327,9 @@ def write_tokens_kv(
 
 
 def has_ring_append(stream=None) -> bool:
-    """Whether :func:`ring_append_kv` is one node on ``stream`` (CPU and CUDA; on Metal,
-    and without GPU kernels, it is an append and a write)."""
-    return _has_write_kernel(stream, "has_ring_append")
+    """Whether :func:`ring_append_kv` is one node on ``stream`` (wherever the ops have
+    kernels; without them it is an append and a write)."""
+    return _has_kernels(stream, "has_ring_append")
 
 
 def ring_append_kv(
@@ -361,7 +370,7 @@ def ring_append_kv(
     Returns:
         tuple: ``(k_codes, k_scales, v_codes, v_scales, k_ring, v_ring)``.
     """
-    if _has_write_kernel(stream, "ring_append_kv"):
+    if _has_kernels(stream, "ring_append_kv"):
         return tuple(
             _ext.ring_append_kv(
                 k_codes,
@@ -388,45 +397,25 @@ def ring_append_kv(
         )
     n = keys.shape[2]
     leaving_k, leaving_v = k_ring[:, :, slot : slot + n], v_ring[:, :, slot : slot + n]
-    if _has_kernels(stream, "ring_append_kv"):  # (Metal: an append node, then the write)
-        codes = quantize_append_kv(
-            k_codes,
-            k_scales,
-            v_codes,
-            v_scales,
-            leaving_k,
-            leaving_v,
-            k_centroids,
-            v_centroids,
-            offset,
-            key_bits,
-            value_bits,
-            key_rotation_signs=key_rotation_signs,
-            value_rotation_signs=value_rotation_signs,
-            key_mean=key_mean,
-            value_mean=value_mean,
-            stream=stream,
-        )
-    else:
-        codes = _fallback_append_kv(
-            k_codes,
-            k_scales,
-            v_codes,
-            v_scales,
-            leaving_k,
-            leaving_v,
-            k_centroids,
-            v_centroids,
-            offset,
-            key_bits,
-            value_bits,
-            key_rotation_signs,
-            value_rotation_signs,
-            key_mean,
-            value_mean,
-            stream,
-            "ring_append_kv",
-        )
+    codes = _fallback_append_kv(
+        k_codes,
+        k_scales,
+        v_codes,
+        v_scales,
+        leaving_k,
+        leaving_v,
+        k_centroids,
+        v_centroids,
+        offset,
+        key_bits,
+        value_bits,
+        key_rotation_signs,
+        value_rotation_signs,
+        key_mean,
+        value_mean,
+        stream,
+        "ring_append_kv",
+    )
     rings = write_tokens_kv(
         k_ring, v_ring, keys, values, slot, after=list(after) + list(codes), stream=stream
     )

@@ -110,7 +110,8 @@ void evaluate(const std::vector<mx::array>& outputs) {
 
 void metal_emu_bindings(nb::module_& m) {
   m.def("metal_stream", &metal_stream, "A GPU stream on which the ops build Metal graphs.");
-  m.def("evaluate", &evaluate, "outputs"_a, "Evaluates outputs' graph on the emulated Metal device.");
+  m.def(
+      "evaluate", &evaluate, "outputs"_a, "Evaluates outputs' graph on the emulated Metal device.");
   m.def("dispatches", []() {
     nb::list out;
     for (auto& r : metal_emu::state().log) {

@@ -12,7 +12,6 @@
 #include <memory>
 #include <sstream>
 
-
 namespace tq_exec {
 
 namespace {
@@ -40,7 +39,6 @@ struct Simdgroup {
   int arrived = 0;
   uint64_t generation = 0;
   Collective kind{};
-  Site site = nullptr;
   alignas(16) unsigned char slots[2][32 * 16];
 };
 
@@ -50,8 +48,6 @@ struct Group {
   std::vector<Fiber> fibers;
   std::vector<Simdgroup> simds;
   int current = -1; // the running fiber
-  int barrier_arrived = 0;
-  Site barrier_site = nullptr;
   std::exception_ptr error;
   const Launch* launch = nullptr;
   const Invoker* invoke = nullptr;
@@ -64,7 +60,8 @@ Group* g_group = nullptr; // the threadgroup being run (one at a time)
 void* new_stack() {
   // A guard page below the stack: an overflow faults instead of corrupting memory.
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
-  void* p = mmap(nullptr, kStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p =
+      mmap(nullptr, kStack + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
     throw std::runtime_error("metal_emu: cannot map a fiber stack");
   }
@@ -127,14 +124,14 @@ void run_group(Group& g, bool reverse) {
     f.ctx.uc_stack.ss_size = kStack;
     f.ctx.uc_link = &g.scheduler;
     const uintptr_t gp = reinterpret_cast<uintptr_t>(&g);
-    makecontext(&f.ctx, reinterpret_cast<void (*)()>(fiber_entry), 2, unsigned(gp >> 32), unsigned(gp));
+    makecontext(
+        &f.ctx, reinterpret_cast<void (*)()>(fiber_entry), 2, unsigned(gp >> 32), unsigned(gp));
     f.state = State::runnable;
   }
   for (auto& s : g.simds) {
     s.arrived = 0;
     s.generation = 0;
   }
-  g.barrier_arrived = 0;
   g.error = nullptr;
 
   auto order = [&](int k, int count) { return reverse ? count - 1 - k : k; };
@@ -164,8 +161,8 @@ void run_group(Group& g, bool reverse) {
       if (g.fibers[i].state == State::at_simd) {
         g.current = i;
         fail(
-            std::string("lanes of simdgroup ") + std::to_string(order(sk, nsimd)) +
-            " wait at " + collective_name(sg.kind) +
+            std::string("lanes of simdgroup ") + std::to_string(order(sk, nsimd)) + " wait at " +
+            collective_name(sg.kind) +
             " that other lanes never reach (they returned or wait at a threadgroup barrier)");
       }
     }
@@ -195,40 +192,40 @@ void run_group(Group& g, bool reverse) {
     for (auto& f : g.fibers) {
       f.state = State::runnable;
     }
-    g.barrier_arrived = 0;
-    g.barrier_site = nullptr;
     sk = 0;
   }
 }
 
 } // namespace
 
-const unsigned char* simd_exchange(Collective kind, Site site, const void* value, int bytes) {
+const unsigned char* simd_exchange(Collective kind, const void* value, int bytes) {
   Group& g = *g_group;
   Fiber& f = g.fibers[g.current];
   Simdgroup& sg = g.simds[f.coords.simd];
   if (sg.count != 32) {
-    fail(std::string(collective_name(kind)) + " in a simdgroup of " + std::to_string(sg.count) +
-         " threads (the kernels assume full simdgroups of 32)");
+    fail(
+        std::string(collective_name(kind)) + " in a simdgroup of " + std::to_string(sg.count) +
+        " threads (the kernels assume full simdgroups of 32)");
   }
   const int parity = int(sg.generation & 1);
   unsigned char* slot = sg.slots[parity] + f.coords.lane * 16;
   std::memset(slot, 0, 16);
   std::memcpy(slot, value, size_t(bytes));
+  // (Not compared: call sites. The compiler may turn one source-level call into several,
+  // e.g. into both arms of a branch before it.)
   if (sg.arrived == 0) {
     sg.kind = kind;
-    sg.site = site;
-  } else if (sg.kind != kind || sg.site != site) {
+  } else if (sg.kind != kind) {
     fail(
         std::string("divergent collectives in simdgroup ") + std::to_string(f.coords.simd) +
-        ": this lane is at " + collective_name(kind) + ", others at " + collective_name(sg.kind) +
-        (sg.kind == kind ? " from another call site" : ""));
+        ": this lane is at " + collective_name(kind) + ", others at " + collective_name(sg.kind));
   }
   // Lanes that returned cannot take part: the kernels keep collectives uniform.
   for (int i = sg.first; i < sg.first + sg.count; ++i) {
     if (g.fibers[i].state == State::done) {
-      fail(std::string(collective_name(kind)) + " after lane " +
-           std::to_string(g.fibers[i].coords.lane) + " of its simdgroup returned");
+      fail(
+          std::string(collective_name(kind)) + " after lane " +
+          std::to_string(g.fibers[i].coords.lane) + " of its simdgroup returned");
     }
   }
   if (++sg.arrived == sg.count) {
@@ -247,15 +244,9 @@ const unsigned char* simd_exchange(Collective kind, Site site, const void* value
   return sg.slots[parity];
 }
 
-void threadgroup_rendezvous(Site site) {
+void threadgroup_rendezvous() {
   Group& g = *g_group;
   Fiber& f = g.fibers[g.current];
-  if (g.barrier_arrived == 0) {
-    g.barrier_site = site;
-  } else if (g.barrier_site != site) {
-    fail("threads of the threadgroup at different threadgroup_barrier calls");
-  }
-  ++g.barrier_arrived;
   f.state = State::at_barrier;
   yield_to_scheduler();
 }
@@ -325,7 +316,8 @@ void run(
   const uint64_t threads = tg.count();
   if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
     throw KernelError(
-        kernel + ": " + std::to_string(threads) + " threads per threadgroup (the pipeline allows 1 to " +
+        kernel + ": " + std::to_string(threads) +
+        " threads per threadgroup (the pipeline allows 1 to " +
         std::to_string(kMaxThreadsPerThreadgroup) + ")");
   }
   size_t tg_total = 0;
@@ -339,8 +331,9 @@ void run(
   }
   if (tg_total > kMaxThreadgroupMemory) {
     throw KernelError(
-        kernel + ": " + std::to_string(tg_total) + " bytes of threadgroup memory (Apple GPUs have " +
-        std::to_string(kMaxThreadgroupMemory) + ")");
+        kernel + ": " + std::to_string(tg_total) +
+        " bytes of threadgroup memory (Apple GPUs have " + std::to_string(kMaxThreadgroupMemory) +
+        ")");
   }
   Dim3 grid_tgs = grid, grid_threads = grid;
   if (grid_is_threads) {

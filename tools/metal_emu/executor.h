@@ -13,7 +13,7 @@
 // Threadgroup memory starts filled with 0xff bytes (NaN as float) in every threadgroup.
 //
 // Errors (thrown as tq_exec::KernelError naming the kernel): lanes of a simdgroup at
-// different collectives or call sites, a barrier that not every thread reaches, a
+// different kinds of collectives, a barrier that not every thread reaches, a
 // collective after some lanes returned, a write into the guard bytes around a staged
 // buffer or the threadgroup memory, more threads than the pipeline allows, more
 // threadgroup memory than Apple GPUs have (32 KiB), a length not a multiple of 16.
@@ -173,7 +173,11 @@ struct arg_of {
 };
 
 template <class... A, size_t... I>
-void call_with(void (*f)(A...), const Launch& l, const ParamSpec* specs, std::index_sequence<I...>) {
+void call_with(
+    void (*f)(A...),
+    const Launch& l,
+    const ParamSpec* specs,
+    std::index_sequence<I...>) {
   f(arg_of<A>::get(l, specs[I])...);
 }
 
@@ -192,18 +196,14 @@ Invoker make_invoker(void (*f)(A...), const std::vector<ParamSpec>& specs, const
 
 // ---- the executor's side of the collectives (executor.cpp) -----------------------
 
-/// Identity of a collective's call site: the lanes of a simdgroup (threads of a
-/// threadgroup) must all reach the same one.
-using Site = const void*;
-
 enum class Collective { shuffle_xor, shuffle, sum, max, min, ballot, simd_barrier, matrix };
 
 /// Rendezvous of the calling lane's simdgroup: deposits `bytes` bytes of `value`, waits
-/// until every lane of the simdgroup has reached this call site, and returns the
+/// until every lane of the simdgroup has reached the same kind of collective, and returns the
 /// deposits of all 32 lanes (lane i's at i * 16), valid until the lane's next collective.
-const unsigned char* simd_exchange(Collective kind, Site site, const void* value, int bytes);
-/// threadgroup_barrier: waits until every thread of the threadgroup reached this site.
-void threadgroup_rendezvous(Site site);
+const unsigned char* simd_exchange(Collective kind, const void* value, int bytes);
+/// threadgroup_barrier: waits until every thread of the threadgroup reached a barrier.
+void threadgroup_rendezvous();
 /// The calling lane's index in its simdgroup and the simdgroup's lane count.
 unsigned lane_id();
 
@@ -215,9 +215,9 @@ T lane_value(const unsigned char* all, unsigned lane) {
 }
 
 template <class T>
-T exchange_reduce(Collective kind, Site site, T x) {
+T exchange_reduce(Collective kind, T x) {
   static_assert(sizeof(T) <= 16, "collective value of at most 16 bytes");
-  const unsigned char* all = simd_exchange(kind, site, &x, sizeof(T));
+  const unsigned char* all = simd_exchange(kind, &x, sizeof(T));
   T acc = lane_value<T>(all, 0);
   for (unsigned l = 1; l < 32; ++l) {
     const T v = lane_value<T>(all, l);
@@ -231,6 +231,5 @@ T exchange_reduce(Collective kind, Site site, T x) {
   }
   return acc;
 }
-
 
 } // namespace tq_exec

@@ -278,7 +278,10 @@ void CommandEncoder::dispatch(MTL::Size grid, MTL::Size group, bool grid_is_thre
        {}});
   for (auto& [idx, b] : buffers_) {
     log.back().bindings.push_back(
-        idx * 4 + (b.kind == Bound::input ? 0 : b.kind == Bound::output ? 1 : 2));
+        idx * 4 +
+        (b.kind == Bound::input        ? 0
+             : b.kind == Bound::output ? 1
+                                       : 2));
   }
   // Clear the bindings before running: an error leaves none behind.
   auto buffers = std::move(buffers_);

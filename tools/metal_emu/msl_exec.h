@@ -46,10 +46,10 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 typedef _Float16 half;
 
-#define TQ_EXEC_VEC(T, name)                                 \
-  typedef T name##2 __attribute__((ext_vector_type(2)));     \
-  typedef T name##3 __attribute__((ext_vector_type(3)));     \
-  typedef T name##4 __attribute__((ext_vector_type(4)));     \
+#define TQ_EXEC_VEC(T, name)                                      \
+  typedef T name##2 __attribute__((ext_vector_type(2)));          \
+  typedef T name##3 __attribute__((ext_vector_type(3)));          \
+  typedef T name##4 __attribute__((ext_vector_type(4)));          \
   typedef T packed_##name##2 __attribute__((ext_vector_type(2))); \
   typedef T packed_##name##4 __attribute__((ext_vector_type(4)));
 TQ_EXEC_VEC(bool, bool)
@@ -203,46 +203,42 @@ inline constexpr mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(uint(a) | uint(b));
 }
 
-// The collectives are out of line so that the return address names their call site in
-// the kernel (tq_exec::Site).
-[[gnu::noinline]] inline void threadgroup_barrier(mem_flags) {
-  tq_exec::threadgroup_rendezvous(__builtin_return_address(0));
+inline void threadgroup_barrier(mem_flags) {
+  tq_exec::threadgroup_rendezvous();
 }
-[[gnu::noinline]] inline void simdgroup_barrier(mem_flags) {
+inline void simdgroup_barrier(mem_flags) {
   const int none = 0;
-  tq_exec::simd_exchange(
-      tq_exec::Collective::simd_barrier, __builtin_return_address(0), &none, sizeof(none));
+  tq_exec::simd_exchange(tq_exec::Collective::simd_barrier, &none, sizeof(none));
 }
 
 /// Lane l receives lane (l ^ mask)'s value.
 template <class T>
-[[gnu::noinline]] T simd_shuffle_xor(T x, ushort mask) {
-  const unsigned char* all = tq_exec::simd_exchange(
-      tq_exec::Collective::shuffle_xor, __builtin_return_address(0), &x, sizeof(T));
+T simd_shuffle_xor(T x, ushort mask) {
+  const unsigned char* all =
+      tq_exec::simd_exchange(tq_exec::Collective::shuffle_xor, &x, sizeof(T));
   return tq_exec::lane_value<T>(all, (tq_exec::lane_id() ^ mask) & 31u);
 }
 template <class T>
-[[gnu::noinline]] T simd_shuffle(T x, ushort lane) {
-  const unsigned char* all = tq_exec::simd_exchange(
-      tq_exec::Collective::shuffle, __builtin_return_address(0), &x, sizeof(T));
+T simd_shuffle(T x, ushort lane) {
+  const unsigned char* all = tq_exec::simd_exchange(tq_exec::Collective::shuffle, &x, sizeof(T));
   return tq_exec::lane_value<T>(all, lane & 31u);
 }
 template <class T>
-[[gnu::noinline]] T simd_broadcast(T x, ushort lane) {
+T simd_broadcast(T x, ushort lane) {
   return simd_shuffle(x, lane);
 }
 /// Sums in lane order (Apple's order is unspecified; every order is a valid result).
 template <class T>
-[[gnu::noinline]] T simd_sum(T x) {
-  return tq_exec::exchange_reduce(tq_exec::Collective::sum, __builtin_return_address(0), x);
+T simd_sum(T x) {
+  return tq_exec::exchange_reduce(tq_exec::Collective::sum, x);
 }
 template <class T>
-[[gnu::noinline]] T simd_max(T x) {
-  return tq_exec::exchange_reduce(tq_exec::Collective::max, __builtin_return_address(0), x);
+T simd_max(T x) {
+  return tq_exec::exchange_reduce(tq_exec::Collective::max, x);
 }
 template <class T>
-[[gnu::noinline]] T simd_min(T x) {
-  return tq_exec::exchange_reduce(tq_exec::Collective::min, __builtin_return_address(0), x);
+T simd_min(T x) {
+  return tq_exec::exchange_reduce(tq_exec::Collective::min, x);
 }
 
 // ---- simdgroup matrices ------------------------------------------------------------
@@ -284,15 +280,14 @@ struct simdgroup_matrix {
 /// (`elements_per_row` per row), or its transpose. Simdgroup-wide: the lanes meet
 /// before reading, so the block holds what every lane wrote before the call.
 template <class T, class P, int C, int R>
-[[gnu::noinline]] void simdgroup_load(
+void simdgroup_load(
     thread simdgroup_matrix<T, C, R>& d,
     P* src,
     ulong elements_per_row = C,
     vec<ulong, 2> origin = vec<ulong, 2>(0),
     bool transpose = false) {
   const int none = 0;
-  tq_exec::simd_exchange(
-      tq_exec::Collective::matrix, __builtin_return_address(0), &none, sizeof(none));
+  tq_exec::simd_exchange(tq_exec::Collective::matrix, &none, sizeof(none));
   const unsigned l = tq_exec::lane_id();
   const int r = detail::frag_row(l), c = detail::frag_col(l);
   for (int i = 0; i < 2; ++i) {
@@ -302,7 +297,7 @@ template <class T, class P, int C, int R>
 }
 
 template <class T, class P, int C, int R>
-[[gnu::noinline]] void simdgroup_store(
+void simdgroup_store(
     thread const simdgroup_matrix<T, C, R>& a,
     P* dst,
     ulong elements_per_row = C,
@@ -315,14 +310,13 @@ template <class T, class P, int C, int R>
     dst[(origin.y + mr) * elements_per_row + origin.x + mc] = P(a.e[i]);
   }
   const int none = 0;
-  tq_exec::simd_exchange(
-      tq_exec::Collective::matrix, __builtin_return_address(0), &none, sizeof(none));
+  tq_exec::simd_exchange(tq_exec::Collective::matrix, &none, sizeof(none));
 }
 
 /// d = a * b + c over the whole simdgroup: every lane's elements are gathered, each
 /// lane computes its own two elements of d (products and sums in float).
 template <class TD, class TA, class TB, class TC>
-[[gnu::noinline]] void simdgroup_multiply_accumulate(
+void simdgroup_multiply_accumulate(
     thread simdgroup_matrix<TD, 8, 8>& d,
     thread const simdgroup_matrix<TA, 8, 8>& a,
     thread const simdgroup_matrix<TB, 8, 8>& b,
@@ -330,8 +324,8 @@ template <class TD, class TA, class TB, class TC>
   struct Elems {
     float a[2], b[2];
   } mine = {{float(a.e[0]), float(a.e[1])}, {float(b.e[0]), float(b.e[1])}};
-  const unsigned char* all = tq_exec::simd_exchange(
-      tq_exec::Collective::matrix, __builtin_return_address(0), &mine, sizeof(mine));
+  const unsigned char* all =
+      tq_exec::simd_exchange(tq_exec::Collective::matrix, &mine, sizeof(mine));
   float A[8][8], B[8][8];
   for (unsigned l = 0; l < 32; ++l) {
     const Elems v = tq_exec::lane_value<Elems>(all, l);

@@ -98,7 +98,9 @@ class CommandEncoder {
 class Device {
  public:
   MTL::Library* get_library(const std::string& name, const std::string& path = "");
-  MTL::Library* get_library(const std::string& name, const std::function<std::string(void)>& builder);
+  MTL::Library* get_library(
+      const std::string& name,
+      const std::function<std::string(void)>& builder);
   MTL::ComputePipelineState* get_kernel(const std::string& base_name, MTL::Library* mtl_lib);
 
  private:
