@@ -27,6 +27,10 @@ if importlib.util.find_spec("turboquant_mlx") is None:
 # references built with MLX ops; the suite checks float32 arithmetic, so it turns that
 # off unless the variable is set. Must happen before MLX is first used.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# On a Metal GPU the suite tests the kernels as they are: a failed first-use self-check
+# would otherwise route every GPU test to the plain-MLX fallback (selfcheck.py). The
+# self-check's own tests set the variable as each needs it.
+os.environ.setdefault("TURBOQUANT_METAL_KERNELS", "on")
 
 import mlx.core as mx  # noqa: E402
 

@@ -77,7 +77,9 @@ def _centroids(head_dim: int, bits: int) -> np.ndarray:
 
 
 def _signs(rng, head_dim: int):
-    return _ext.RotationSigns([float(s) for s in rng.choice((-1.0, 1.0), head_dim)])
+    # A plain sequence (every ext converts it): the case must not depend on this
+    # package's own _ext beside the one under test.
+    return [float(s) for s in rng.choice((-1.0, 1.0), head_dim)]
 
 
 def _tokens(rng, n: int, head_dim: int) -> np.ndarray:
