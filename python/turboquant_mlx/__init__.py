@@ -1,6 +1,12 @@
 """TurboQuant KV-cache compression for MLX."""
 
-from . import _ext  # noqa: F401  (fail at import when the extension is not built)
+from ._mlx_version import check_mlx_version as _check_mlx_version
+
+# Before the extension loads: an mlx other than the build's is a clear ImportError,
+# not a crash or an undefined symbol (_mlx_version.py).
+_check_mlx_version()
+
+from . import _ext  # noqa: E402, F401  (fail at import when the extension is not built)
 
 __version__ = "0.1.0"
 
