@@ -652,14 +652,14 @@ def test_capacity_grows_geometrically_and_reserve_preallocates():
     caps = []
     for _ in range(40):
         cache.update_and_fetch(_rand(rng, (1, 1, 64, 64)), _rand(rng, (1, 1, 64, 64)))
-        caps.append(cache._k_codes.shape[2])
+        caps.append(cache._kv.k_codes.shape[2])
     growths = sorted(set(caps))
     assert growths[0] == 256 and all(b >= 1.25 * a for a, b in zip(growths, growths[1:]))
     reserved = TurboQuantKVCache(4, 4, fp16_sink_tokens=4)
     reserved.reserve(3000)
     for _ in range(40):
         reserved.update_and_fetch(_rand(rng, (1, 1, 64, 64)), _rand(rng, (1, 1, 64, 64)))
-        assert reserved._k_codes.shape[2] == 3072  # one allocation, rounded to the step
+        assert reserved._kv.k_codes.shape[2] == 3072  # one allocation, rounded to the step
 
 
 @pytest.mark.parametrize("preset", [None, "tq4"])
@@ -676,7 +676,7 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
         cache = TurboQuantKVCache(**get_preset(preset).layer_configs(4)[1])
     cache.reserve(600)
     cache.update_and_fetch(_rand(rng, (1, 2, 512, 64)), _rand(rng, (1, 2, 512, 64)))
-    mx.eval(cache._k_codes, cache._v_codes)
+    mx.eval(cache._kv.k_codes, cache._kv.v_codes)
     before = _ext.buffer_copies()
     for _ in range(8):
         k, v = _rand(rng, (1, 2, 1, 64), mx.float16), _rand(rng, (1, 2, 1, 64), mx.float16)
@@ -691,15 +691,15 @@ def test_decode_appends_reuse_the_cache_buffers(preset):
     # run, so they are never donatable when the next append is evaluated (held here,
     # deterministically). The cache's appends still write them in place, and the slots
     # an older reader can see never change.
-    held = [cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales]
+    held = [cache._kv.k_codes, cache._kv.k_scales, cache._kv.v_codes, cache._kv.v_scales]
     n = cache._n_comp
     snapshot = [np.array(a[:, :, :n]) for a in held]
     for _ in range(40):  # the window (tq4) hands tokens to the compressed segment
         cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
-        mx.eval(cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales)
+        mx.eval(cache._kv.k_codes, cache._kv.k_scales, cache._kv.v_codes, cache._kv.v_scales)
     assert cache._n_comp > n
     assert _ext.buffer_copies() == before
-    now = [cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales]
+    now = [cache._kv.k_codes, cache._kv.k_scales, cache._kv.v_codes, cache._kv.v_scales]
     for old, new, snap in zip(held, now, snapshot):
         np.testing.assert_array_equal(np.array(old[:, :, :n]), snap)
         np.testing.assert_array_equal(np.array(old), np.array(new))  # one buffer
@@ -734,7 +734,12 @@ def test_decode_step_appends_in_one_node(tmp_path, monkeypatch, preset):
     assert cache._n_comp == n + 1
     out = cache.attention(_rand(rng, (1, 4, 1, 64)), 0.1, None)
     labels = graph_nodes(
-        tmp_path / "g.dot", out, cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales
+        tmp_path / "g.dot",
+        out,
+        cache._kv.k_codes,
+        cache._kv.k_scales,
+        cache._kv.v_codes,
+        cache._kv.v_scales,
     )
     writes = [x for x in labels if x.startswith(("QuantizeAppend", "RingAppend", "WriteTokens"))]
     if preset == "plain":
@@ -758,7 +763,7 @@ def test_trim_then_append_leaves_earlier_arrays_unchanged():
     before = np.array(keys)
     assert cache.trim(10) == 10
     cache.update_and_fetch(_rand(rng, (1, 2, 10, 64)), _rand(rng, (1, 2, 10, 64)))
-    mx.eval(cache._k_codes, cache._k_scales, cache._v_codes, cache._v_scales)
+    mx.eval(cache._kv.k_codes, cache._kv.k_scales, cache._kv.v_codes, cache._kv.v_scales)
     for a, snap in zip(state, snapshot):
         np.testing.assert_array_equal(np.array(a), snap)
     np.testing.assert_array_equal(np.array(keys), before)
@@ -766,9 +771,9 @@ def test_trim_then_append_leaves_earlier_arrays_unchanged():
     from turboquant_mlx import _ext
 
     copies = _ext.buffer_copies()
-    held = cache._k_codes
+    held = cache._kv.k_codes
     cache.update_and_fetch(_rand(rng, (1, 2, 1, 64)), _rand(rng, (1, 2, 1, 64)))
-    mx.eval(cache._k_codes)
+    mx.eval(cache._kv.k_codes)
     assert _ext.buffer_copies() == copies  # though `held` still references the buffer
     del held
 

@@ -183,20 +183,20 @@ def _check_lockstep(record, c0, c1, fold, max_flip_fraction):
         if n == 0:
             continue
         np.testing.assert_array_equal(
-            np.array(a._k_codes[:, :, :n]), np.array(b._k_codes[:, :, :n])
+            np.array(a._kv.k_codes[:, :, :n]), np.array(b._kv.k_codes[:, :, :n])
         )
         np.testing.assert_array_equal(
-            np.array(a._k_scales[:, :, :n]), np.array(b._k_scales[:, :, :n])
+            np.array(a._kv.k_scales[:, :, :n]), np.array(b._kv.k_scales[:, :, :n])
         )
         bits, D = a.value_bits, a.head_dim
-        va = np.array(fallback.unpack(a._v_codes[:, :, :n], bits, D)).astype(np.int64)
-        vb = np.array(fallback.unpack(b._v_codes[:, :, :n], bits, D)).astype(np.int64)
+        va = np.array(fallback.unpack(a._kv.v_codes[:, :, :n], bits, D)).astype(np.int64)
+        vb = np.array(fallback.unpack(b._kv.v_codes[:, :, :n], bits, D)).astype(np.int64)
         assert np.abs(va - vb).max() <= 1  # at most a neighbouring code
         flipped += int((va != vb).sum())
         total += va.size
         # scale = |v| / |chosen centroids|: one float16 ulp apart, more where a code moved.
-        sa = np.array(a._v_scales[:, :, :n], np.float32)
-        sb = np.array(b._v_scales[:, :, :n], np.float32)
+        sa = np.array(a._kv.v_scales[:, :, :n], np.float32)
+        sb = np.array(b._kv.v_scales[:, :, :n], np.float32)
         moved = (va != vb).any(axis=-1)
         np.testing.assert_allclose(sb[~moved], sa[~moved], rtol=1e-3)
         np.testing.assert_allclose(sb[moved], sa[moved], rtol=1e-2)

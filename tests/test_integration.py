@@ -512,10 +512,10 @@ def test_prompt_cache_loaded_in_a_fresh_process_without_install_hook(llama, tmp_
         np.testing.assert_allclose(got[name + "_logprobs"], want_logprobs, atol=1e-4, err_msg=name)
 
 
-def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama):
-    # After uninstall_hook(), and in a module that bound mlx-lm's original function
-    # where install_hook() does not look (not in sys.modules), a TurboQuant cache still
-    # computes what it computes with the hook.
+def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama, tmp_path, monkeypatch):
+    # After uninstall_hook(), and in a module imported while the hook was not installed
+    # (it bound mlx-lm's original function), a TurboQuant cache still computes what it
+    # computes with the hook; a module imported after the installation binds the hook.
     tokens = _tokens(24, seed=8)
     want = _run(llama, make_prompt_cache(llama, "tq4-nowindow"), tokens, [20, 1, 3])
     cache = make_prompt_cache(llama, "tq4-nowindow")
@@ -527,23 +527,37 @@ def test_cache_reinstalls_the_hook_for_the_module_that_attends(llama):
         assert mx.array_equal(a, b)
 
     uninstall_hook()
-    namespace = {"scaled_dot_product_attention": mlx_base.scaled_dot_product_attention}
-    exec(
+    source = (
+        "from mlx_lm.models.base import scaled_dot_product_attention\n"
         "def attend(cache, q, k, v):\n"
         "    k, v = cache.update_and_fetch(k, v)\n"
-        "    return scaled_dot_product_attention(q, k, v, cache=cache, scale=0.125, mask=None)\n",
-        namespace,
+        "    return scaled_dot_product_attention(q, k, v, cache=cache, scale=0.125, mask=None)\n"
     )
-    install_hook()  # does not see the namespace
-    assert namespace["scaled_dot_product_attention"] is not hooked_scaled_dot_product_attention
-    rng = np.random.default_rng(0)
-    k, v, q = (mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32)) for n in (16, 16, 1))
-    q = mx.concatenate([q, q], axis=1)
-    cache = TurboQuantKVCache(4, 4)
-    out = namespace["attend"](cache, q, k, v)
-    reference = TurboQuantKVCache(4, 4)
-    reference.update_and_fetch(k, v)
-    assert mx.array_equal(out, reference.attention(q, scale=0.125, mask=None))
+    for name in ("tq_probe_before", "tq_probe_after"):
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    import sys
+
+    try:
+        before = importlib.import_module("tq_probe_before")
+        assert before.scaled_dot_product_attention is not hooked_scaled_dot_product_attention
+        rng = np.random.default_rng(0)
+        k, v, q = (
+            mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32)) for n in (16, 16, 1)
+        )
+        q = mx.concatenate([q, q], axis=1)
+        cache = TurboQuantKVCache(4, 4)
+        out = before.attend(cache, q, k, v)  # update_and_fetch installs the hook
+        assert before.scaled_dot_product_attention is hooked_scaled_dot_product_attention
+        reference = TurboQuantKVCache(4, 4)
+        reference.update_and_fetch(k, v)
+        assert mx.array_equal(out, reference.attention(q, scale=0.125, mask=None))
+        after = importlib.import_module("tq_probe_after")
+        assert after.scaled_dot_product_attention is hooked_scaled_dot_product_attention
+    finally:
+        for name in ("tq_probe_before", "tq_probe_after"):
+            sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[6]], ids=["plain", "levers"])

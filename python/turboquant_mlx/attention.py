@@ -10,8 +10,9 @@ model module imports the name). :func:`install_hook` replaces that function, in
 that sends a :class:`~turboquant_mlx.cache.TurboQuantKVCache` to
 ``cache.attention(...)`` and calls the original, unchanged, for everything else.
 A TurboQuant cache also installs it itself at each ``update_and_fetch`` where it is
-missing (:func:`ensure_hook`), so that a cache made by hand or loaded from a file
-never meets mlx-lm's own attention, which would see only the new tokens.
+not installed (:func:`ensure_hook`), so that a cache made by hand or loaded from a file
+never meets mlx-lm's own attention, which would see only the new tokens. Modules
+imported after the installation bind the hook from ``mlx_lm.models.base``.
 
 The cache splits its keys into segments (fp16 sink tokens, the compressed
 tokens, an fp16 window of recent tokens). Attention over each segment gives a
@@ -236,30 +237,27 @@ def install_hook() -> List[str]:
         return _patch_modules(_original, hooked_scaled_dot_product_attention)
 
 
-def ensure_hook(namespace: Optional[dict] = None) -> None:
-    """Installs the hook if it is not installed, and routes ``namespace`` through it.
+def ensure_hook() -> None:
+    """Installs the hook if it is not installed (:func:`install_hook`).
 
     A :class:`~turboquant_mlx.cache.TurboQuantKVCache` calls this at every
-    ``update_and_fetch`` with the globals of its caller -- for mlx-lm's models, the
-    module whose attention reads the cache next. Without the hook, that attention
-    would run ``mx.fast.scaled_dot_product_attention`` on what ``update_and_fetch``
-    returned (only the new tokens) and silently ignore the cache: this is what makes
-    a cache built by hand, rebuilt from a state or loaded from a file, or used after
-    :func:`uninstall_hook`, compute the same as one from the factory.
+    ``update_and_fetch``: without the hook, the attention that follows would run
+    ``mx.fast.scaled_dot_product_attention`` on what ``update_and_fetch`` returned
+    (only the new tokens) and silently ignore the cache. This is what makes a cache
+    built by hand, rebuilt from a state or loaded from a file, or used after
+    :func:`uninstall_hook`, compute the same as one from the factory. Once installed,
+    the check is one global read.
 
-    Args:
-        namespace: A module's globals; if its ``scaled_dot_product_attention`` is
-            mlx-lm's original function (a module that :func:`install_hook` did not
-            see), it is replaced by the hook there too.
+    Which functions see the hook: every loaded module whose
+    ``scaled_dot_product_attention`` is mlx-lm's (patched at installation), and every
+    module imported later (``from mlx_lm.models.base import scaled_dot_product_attention``
+    then binds the hook). Code that bound mlx-lm's function somewhere else (a closure,
+    a namespace outside ``sys.modules``) before the hook was installed keeps it: call
+    :func:`install_hook` after creating it, or look the function up in
+    ``mlx_lm.models.base`` at call time.
     """
     if _original is None:
         install_hook()
-    if namespace is not None:
-        fn = namespace.get("scaled_dot_product_attention")
-        if fn is not None and fn is _original and fn is not hooked_scaled_dot_product_attention:
-            with _lock:
-                if namespace.get("scaled_dot_product_attention") is _original:
-                    namespace["scaled_dot_product_attention"] = hooked_scaled_dot_product_attention
 
 
 def uninstall_hook() -> List[str]:

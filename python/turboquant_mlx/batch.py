@@ -55,21 +55,21 @@ Not supported (refused by ``merge``): ``query_aware_keys`` (preset ``k3v3``), he
 dims the kernels do not rotate themselves (not a power of two, or stored padded).
 """
 
-import sys
 from typing import List
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import codebook, ops
+from . import ops
 from ._batch_common import _PREFIX, _roll_rows
 from ._common import deepcopy_attributes
 from .attention import ensure_hook, register_cache_class
 from .batch_attention import _BatchAttention
 from .batch_ops import _BatchOperations
 from .batch_rows import _RowSettling
-from .rotation import Rotation
+from .buffer import CompressedKV
+from .codec import Codec
 
 __all__ = ["BatchTurboQuantKVCache"]
 
@@ -109,7 +109,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         self._dlo = 0  # first column a row may still need in the fp16 buffer
         self._sk = self._sv = None  # (B, H, S, D) sinks by position
         self._ns = [0] * len(self._pad)  # sinks held per row
-        self._kc = self._ks = self._vc = self._vs = None  # column-indexed codes
+        self._kv = None  # buffer.CompressedKV, column-indexed (set with the codec)
         # Row b's compressed columns are [pad_b + S, cend_b) (empty before its
         # calibration); its fp16 columns start at cend_b.
         self._cend = [p + self.fp16_sink_tokens for p in self._pad]
@@ -118,11 +118,11 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         self._cal = [no_levers] * len(self._pad)
         self._mu_k = self._mu_v = None  # (B, H, 1, D) float32 (zeros: not calibrated)
         self._dirty = False  # tokens arrived since the last _settle
-        # Whether the codes / the fp16 buffers are this cache's alone, so that appends
-        # may write them in place (a deep copy shares them until filter or a rebuild).
-        self._private = True
+        # Whether the fp16 buffers are this cache's alone, so that appends may write
+        # them in place (a deep copy shares them until filter or a rebuild); the codes'
+        # flag is the buffer's (buffer.CompressedKV.private).
         self._dpriv = True
-        self._head_dim = None
+        self._codec = None  # codec.Codec, set at the first update
         self._arrays = None  # cached (left_padding, offset) arrays
         self._single = None  # the single caches' class (extract builds them; set by merge)
 
@@ -168,20 +168,16 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
     # -- storage ----------------------------------------------------------------------
 
     def _init_storage(self, B, H, D, dtype):
-        rotation = Rotation(D, self.seed)
-        if rotation.kernel_signs is None:
+        codec = Codec(D, self.key_bits, self.value_bits, self.seed)
+        if codec.padded or codec.rotation.kernel_signs is None:
             raise ValueError(
                 f"{_PREFIX} head dim {D} is not supported in a batch: the kernels rotate "
                 "power-of-two head dims only (32, 64, 128, 256)."
             )
-        for bits in (self.key_bits, self.value_bits):
-            ops.words_per_token(D, bits)  # (refuses an unsupported head dim)
-        self._head_dim = D
+        self._codec = codec
         self._H = H
-        self._rotation = rotation
-        self._signs = rotation.kernel_signs
-        self._k_centroids = codebook.centroids(D, self.key_bits)
-        self._v_centroids = codebook.centroids(D, self.value_bits)
+        self._signs = codec.rotation.kernel_signs
+        self._kv = CompressedKV(codec)
         self.window_dtype = dtype
         S = self.fp16_sink_tokens
         self._dk = mx.zeros((B, H, self.step, D), dtype)
@@ -193,7 +189,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         if self.center:
             self._mu_k = mx.zeros((B, H, 1, D), mx.float32)
             self._mu_v = mx.zeros((B, H, 1, D), mx.float32)
-        self._private = self._dpriv = True
+        self._dpriv = True
 
     def _write_columns(self, keys, values):
         """Writes ``(B, H, L, D)`` at columns ``[idx, idx + L)`` of the fp16 buffer."""
@@ -222,33 +218,21 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             self._dpriv = True
 
     def _ensure_codes(self, needed: int):
-        cap = 0 if self._kc is None else self._kc.shape[2]
+        cap = self._kv.capacity
         if needed <= cap:
             return
         # Grown by one step of columns, as mlx-lm's BatchKVCache grows: a quarter of
         # slack per row (the single cache's growth) costs a batch a quarter of the rows
         # a memory budget holds, and the copy every `step` decode steps is cheap.
         new_cap = -(-max(needed, cap + self.step) // self.step) * self.step
-        B, H, D = len(self._pad), self._H, self._head_dim
-        wk = ops.words_per_token(D, self.key_bits)
-        wv = ops.words_per_token(D, self.value_bits)
-
-        def grow(buf, tail, dtype):
-            fresh = mx.zeros((B, H, new_cap - cap) + tail, dtype)
-            return fresh if buf is None else mx.concatenate([buf, fresh], axis=2)
-
-        self._kc = grow(self._kc, (wk,), mx.uint32)
-        self._ks = grow(self._ks, (), mx.float16)
-        self._vc = grow(self._vc, (wv,), mx.uint32)
-        self._vs = grow(self._vs, (), mx.float16)
-        self._private = True
+        self._kv.grow(new_cap, cap, len(self._pad), self._H)
 
     # -- the protocol -----------------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Stores new tokens ``(B, H_kv, L, D)`` at the next ``L`` columns and returns
         them unchanged (attention reads the cache through :meth:`attention`)."""
-        ensure_hook(sys._getframe(1).f_globals)
+        ensure_hook()
         B = len(self._pad)
         if keys.ndim != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[0] != B:
             raise ValueError(
@@ -260,13 +244,13 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
                 f"{_PREFIX} keys and values must have the same head dim; got "
                 f"{keys.shape[-1]} and {values.shape[-1]}."
             )
-        if self._head_dim is not None and (keys.shape[1], keys.shape[3]) != (
+        if self._codec is not None and (keys.shape[1], keys.shape[3]) != (
             self._H,
-            self._head_dim,
+            self._codec.head_dim,
         ):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
-                f"(H_kv, D) = {(self._H, self._head_dim)}."
+                f"(H_kv, D) = {(self._H, self._codec.head_dim)}."
             )
         given = keys, values
         dtype = self.window_dtype
@@ -296,7 +280,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
                     f"in the cache's {dtype} storage (NaN, Inf or out of range); the cache "
                     "is unchanged."
                 )
-        if self._head_dim is None:
+        if self._codec is None:
             self._init_storage(B, keys.shape[1], keys.shape[3], dtype)
         self._settle()  # (a prompt block's quantization, if no finalize came)
         self._write_columns(keys, values)
@@ -325,11 +309,9 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             n = self._idx - self._d0
             self._dk = _roll_rows(self._dk[:, :, :n], shifts)
             self._dv = _roll_rows(self._dv[:, :, :n], shifts)
-            if self._kc is not None:
-                self._kc, self._ks, self._vc, self._vs = (
-                    _roll_rows(a, shifts) for a in (self._kc, self._ks, self._vc, self._vs)
-                )
-            self._private = self._dpriv = True
+            if self._kv.k_codes is not None:
+                self._kv.replace([_roll_rows(a, shifts) for a in self._kv.arrays], private=True)
+            self._dpriv = True
             # Each row's codes moved with it; its fp16 columns before d0 + shift are
             # what wrapped around (its right padding), so its codes stay as they are.
             self._cend = [c + r for c, r in zip(self._cend, self._rpad)]
@@ -360,10 +342,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             self._dv,
             self._sk,
             self._sv,
-            self._kc,
-            self._ks,
-            self._vc,
-            self._vs,
+            *(self._kv.arrays if self._kv is not None else ()),
             self._mu_k,
             self._mu_v,
         ]
@@ -394,10 +373,7 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
             self._dv,
             self._sk,
             self._sv,
-            self._kc,
-            self._ks,
-            self._vc,
-            self._vs,
+            *(self._kv.arrays if self._kv is not None else ()),
             self._mu_k,
             self._mu_v,
         ]
@@ -408,8 +384,10 @@ class BatchTurboQuantKVCache(_RowSettling, _BatchAttention, _BatchOperations, _B
         memo[id(self)] = new
         deepcopy_attributes(self, new, memo)
         # A deep copy shares the arrays' buffers: neither may write them in place.
-        self._private = new._private = False
-        self._dpriv = new._dpriv = False
+        for c in (self, new):
+            if c._kv is not None:
+                c._kv.private = False
+            c._dpriv = False
         return new
 
     def __repr__(self):

@@ -30,13 +30,13 @@ class _BatchAttention:
     def attention(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """Attention of ``queries`` ``(B, H_q, L, D)`` (the last ``L`` columns) over
         every row's tokens; ``(B, H_q, L, D)`` in the queries' dtype."""
-        if self._head_dim is None or self._idx == 0:
+        if self._codec is None or self._idx == 0:
             raise ValueError(f"{_PREFIX} attention on an empty cache.")
         B, n_q, L, D = queries.shape
-        if B != len(self._pad) or D != self._head_dim or n_q % self._H:
+        if B != len(self._pad) or D != self._codec.head_dim or n_q % self._H:
             raise ValueError(
                 f"{_PREFIX} queries {tuple(queries.shape)} do not match the cache "
-                f"(B, H_kv, D) = {(len(self._pad), self._H, self._head_dim)}."
+                f"(B, H_kv, D) = {(len(self._pad), self._H, self._codec.head_dim)}."
             )
         if isinstance(mask, str):
             if mask != "causal":
@@ -69,12 +69,9 @@ class _BatchAttention:
     def _op(self, queries, scale, op_mask, tail=(None, None), final=False):
         return ops.compressed_attention(
             queries,
-            self._kc,
-            self._ks,
-            self._vc,
-            self._vs,
-            self._k_centroids,
-            self._v_centroids,
+            *self._kv.arrays,
+            self._codec.key_centroids,
+            self._codec.value_centroids,
             self._W,
             scale,
             self.key_bits,
@@ -123,7 +120,7 @@ class _BatchAttention:
         W, idx, d0 = self._W, self._idx, self._d0
         if (
             W == 0
-            or self._kc is None
+            or self._kv.k_codes is None
             or any(n < S for n in self._ns)
             or any(c != idx - R for c in self._cend)
             or S + R > ops.MAX_TAIL_TOKENS
@@ -150,7 +147,7 @@ class _BatchAttention:
         lo = self._comp_lo()
         W = self._W
         seen = [b for b in range(len(lo)) if self._cend[b] > lo[b]]
-        if self._kc is None or not seen:
+        if self._kv.k_codes is None or not seen:
             return None
         L = queries.shape[2]
         if L <= self.decode_max_queries:
@@ -160,10 +157,10 @@ class _BatchAttention:
         # cache's prefill does) and attended densely.
         a = min(lo[b] for b in seen)
         n = W - a
-        yk = ops.dequantize(self._kc, self._ks, self._k_centroids, self.key_bits, a, n)
-        yv = ops.dequantize(self._vc, self._vs, self._v_centroids, self.value_bits, a, n)
-        k = self._rotation.inverse(yk)
-        v = self._rotation.inverse(yv) if self.rotate_values else yv
+        yk, yv = self._kv.decoded(a, n)
+        rotation = self._codec.rotation
+        k = rotation.inverse(yk)
+        v = rotation.inverse(yv) if self.rotate_values else yv
         if self.center:
             k = k + self._mu_k
             v = v + self._mu_v

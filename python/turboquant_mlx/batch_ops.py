@@ -5,7 +5,6 @@ trim (see :mod:`turboquant_mlx.batch`)."""
 
 import mlx.core as mx
 
-from . import ops
 from ._batch_common import _PREFIX, _settings_of
 
 
@@ -114,8 +113,8 @@ class _BatchOperations:
                 batch._ns[b] = ns
             if nc:
                 a = p + S
-                for name in ("kc", "ks", "vc", "vs"):
-                    getattr(batch, "_" + name)[b : b + 1, :, a : a + nc] = r[name]
+                for buf, name in zip(batch._kv.arrays, ("kc", "ks", "vc", "vs")):
+                    buf[b : b + 1, :, a : a + nc] = r[name]
             batch._cal[b] = bool(r["calibrated"])
             batch._cend[b] = p + S + nc
             if r["mk"].size:
@@ -151,7 +150,7 @@ class _BatchOperations:
         empty16 = mx.zeros((0,), mx.float16)
         comp = [empty16.astype(mx.uint32), empty16, empty16.astype(mx.uint32), empty16]
         if nc:
-            comp = [rows(a, p + S, p + S + nc) for a in (self._kc, self._ks, self._vc, self._vs)]
+            comp = [rows(a, p + S, p + S + nc) for a in self._kv.arrays]
         sinks = [empty16, empty16]
         if ns:
             sinks = [rows(self._sk, 0, ns), rows(self._sv, 0, ns)]
@@ -200,12 +199,13 @@ class _BatchOperations:
         self._cend = [self._cend[i] for i in keep]
         if self._rpad is not None:
             self._rpad = [self._rpad[i] for i in keep]
-        names = ("_dk", "_dv", "_sk", "_sv", "_kc", "_ks", "_vc", "_vs", "_mu_k", "_mu_v")
-        for name in names:
+        for name in ("_dk", "_dv", "_sk", "_sv", "_mu_k", "_mu_v"):
             a = getattr(self, name)
             if a is not None:
                 setattr(self, name, a[sel])
-        self._private = self._dpriv = True
+        self._dpriv = True
+        if self._kv is not None and self._kv.k_codes is not None:
+            self._kv.replace([a[sel] for a in self._kv.arrays], private=True)
         self._changed()
         # Columns that are padding in every remaining row go.
         m = min(self._pad) if self._pad else 0
@@ -223,12 +223,12 @@ class _BatchOperations:
                 self._dv = self._dv[:, :, cut:]
             self._d0 = max(0, self._d0 - m)
             self._dlo = max(self._d0, self._dlo - m)
-            if self._kc is not None:
-                self._kc, self._ks, self._vc, self._vs = (
-                    a[:, :, m:] for a in (self._kc, self._ks, self._vc, self._vs)
-                )
+            # (views of the old arrays: not private)
+            self._kv.replace(
+                [None if a is None else a[:, :, m:] for a in self._kv.arrays], private=False
+            )
             self._floor = max(0, self._floor - m)
-            self._private = self._dpriv = False
+            self._dpriv = False
         self._changed()
 
     def extend(self, other):
@@ -253,13 +253,12 @@ class _BatchOperations:
             self._changed()
             return
         B1, B2 = len(self._pad), len(other._pad)
-        H, D, dtype = ref._H, ref._head_dim, ref._dk.dtype
+        H, D, dtype = ref._H, ref._codec.head_dim, ref._dk.dtype
         parts = [self, other]
         d0 = min((c._d0 + idx - c._idx) for c in parts if c._dk is not None)
         dlo = min((c._dlo + idx - c._idx) for c in parts if c._dk is not None)
-        any_codes = any(c._kc is not None for c in parts)
-        wk = ops.words_per_token(D, self.key_bits)
-        wv = ops.words_per_token(D, self.value_bits)
+        any_codes = any(c._kv is not None and c._kv.k_codes is not None for c in parts)
+        wk, wv = ref._codec.key_words, ref._codec.value_words
         ncap = -(-(idx - d0 + self.step) // self.step) * self.step
         ccap = -(-idx // self.step) * self.step if any_codes else 0
 
@@ -294,8 +293,8 @@ class _BatchOperations:
             sk, sv = c._sk, c._sv
             if self.fp16_sink_tokens == 0:
                 sk = sv = None
-            if c._kc is not None:
-                codes = [fit(x, shift, ccap) for x in (c._kc, c._ks, c._vc, c._vs)]
+            if c._kv.k_codes is not None:
+                codes = [fit(x, shift, ccap) for x in c._kv.arrays]
             else:
                 codes = no_codes(Bc)
             mu = [c._mu_k, c._mu_v]
@@ -310,9 +309,7 @@ class _BatchOperations:
             self._sk = mx.concatenate([a_[2], b_[2]])
             self._sv = mx.concatenate([a_[3], b_[3]])
         if any_codes:
-            self._kc, self._ks, self._vc, self._vs = (
-                mx.concatenate([x, y]) for x, y in zip(a_[4], b_[4])
-            )
+            self._kv.replace([mx.concatenate([x, y]) for x, y in zip(a_[4], b_[4])], private=True)
         if self.center:
             self._mu_k = mx.concatenate([a_[5][0], b_[5][0]])
             self._mu_v = mx.concatenate([a_[5][1], b_[5][1]])
@@ -328,7 +325,7 @@ class _BatchOperations:
         self._d0 = d0
         self._dlo = max(d0, dlo)
         self._floor = max(c._floor + idx - c._idx for c in parts)
-        self._private = self._dpriv = True
+        self._dpriv = True
         self._changed()
         self._dirty = True
         self._settle()
@@ -352,6 +349,6 @@ class _BatchOperations:
                 min(c, max(p + S, self._idx - R)) if cal else c
                 for c, p, cal in zip(self._cend, self._pad, self._cal)
             ]
-            self._private = self._dpriv = False
+            self._kv.private = self._dpriv = False
             self._changed()
         return n

@@ -7,7 +7,6 @@ from typing import List
 
 import mlx.core as mx
 
-from . import ops
 from ._batch_common import _PREFIX
 
 
@@ -154,87 +153,29 @@ class _RowSettling:
         """Quantizes fp16 columns ``[start, end)`` of every row into the codes."""
         self._ensure_codes(end)
         d0 = self._d0
-        k = self._dk[:, :, start - d0 : end - d0]
-        v = self._dv[:, :, start - d0 : end - d0]
-        v_signs = self._signs if self.rotate_values else None
-        if self._private:
-            self._kc, self._ks, self._vc, self._vs = ops.quantize_append_kv(
-                self._kc,
-                self._ks,
-                self._vc,
-                self._vs,
-                k,
-                v,
-                self._k_centroids,
-                self._v_centroids,
-                start,
-                self.key_bits,
-                self.value_bits,
-                key_rotation_signs=self._signs,
-                value_rotation_signs=v_signs,
-                key_mean=self._mu_k,
-                value_mean=self._mu_v,
-            )
-        else:
-            self._kc, self._ks = ops.quantize_append(
-                self._kc,
-                self._ks,
-                k,
-                self._k_centroids,
-                start,
-                self.key_bits,
-                rotation_signs=self._signs,
-                mean=self._mu_k,
-            )
-            self._vc, self._vs = ops.quantize_append(
-                self._vc,
-                self._vs,
-                v,
-                self._v_centroids,
-                start,
-                self.value_bits,
-                rotation_signs=v_signs,
-                mean=self._mu_v,
-            )
-            self._private = True
+        self._kv.write(
+            self._dk[:, :, start - d0 : end - d0],
+            self._dv[:, :, start - d0 : end - d0],
+            start,
+            key_signs=self._signs,
+            value_signs=self._signs if self.rotate_values else None,
+            key_mean=self._mu_k,
+            value_mean=self._mu_v,
+        )
 
     def _quantize_rows(self, lo: int, end: int, starts: List[int], ends: List[int]):
         """Quantizes columns ``[starts_b, ends_b)`` of each row ``b`` (within ``[lo,
         end)``) and keeps every other code: after a calibration or a right-padded
         block the rows' valid codes end at different columns."""
         self._ensure_codes(end)
-        n, d0 = end - lo, self._d0
-        B, H, D = len(self._pad), self._H, self._head_dim
-        k = self._dk[:, :, lo - d0 : end - d0]
-        v = self._dv[:, :, lo - d0 : end - d0]
-        wk = ops.words_per_token(D, self.key_bits)
-        wv = ops.words_per_token(D, self.value_bits)
-        kc, ks = ops.quantize_append(
-            mx.zeros((B, H, n, wk), mx.uint32),
-            mx.zeros((B, H, n), mx.float16),
-            k,
-            self._k_centroids,
-            0,
-            self.key_bits,
-            rotation_signs=self._signs,
-            mean=self._mu_k,
+        d0 = self._d0
+        self._kv.write_rows(
+            self._dk[:, :, lo - d0 : end - d0],
+            self._dv[:, :, lo - d0 : end - d0],
+            lo,
+            starts,
+            ends,
+            key_signs=self._signs,
+            value_signs=self._signs if self.rotate_values else None,
+            means=(self._mu_k, self._mu_v),
         )
-        vc, vs = ops.quantize_append(
-            mx.zeros((B, H, n, wv), mx.uint32),
-            mx.zeros((B, H, n), mx.float16),
-            v,
-            self._v_centroids,
-            0,
-            self.value_bits,
-            rotation_signs=self._signs if self.rotate_values else None,
-            mean=self._mu_v,
-        )
-        cols = mx.arange(lo, end)[None, :]
-        keep = (cols >= mx.array(starts)[:, None]) & (cols < mx.array(ends)[:, None])
-        keep = keep[:, None, :]  # (B, 1, n)
-        for name, new in (("_kc", kc), ("_ks", ks), ("_vc", vc), ("_vs", vs)):
-            buf = getattr(self, name)
-            k_ = keep if new.ndim == 3 else keep[..., None]
-            buf[:, :, lo:end] = mx.where(k_, new, buf[:, :, lo:end])
-            setattr(self, name, buf)
-        self._private = True

@@ -78,16 +78,19 @@ replaces only plain full-attention ``KVCache`` entries: linear-attention state
 (``ArraysCache``, Qwen3.5/Qwen3-Next) and sliding-window ``RotatingKVCache``
 layers are kept as they are.
 
-Where the code is (each module one part; :class:`TurboQuantKVCache` is composed of
-the parts that work on its attributes)::
+Where the code is (docs/ARCHITECTURE.md, "The Python wing", says which part owns
+which state)::
 
     cache.py        this overview; the package's cache API, gathered from:
     kv_cache.py     TurboQuantKVCache: configuration, update_and_fetch, attention's
                     entry, trim and the rest of mlx-lm's protocol
-    storage.py      the compressed segment: buffers, appends, read-back, byte counts
+    codec.py        Codec: the layer's rotation, codebooks and head dims
+    buffer.py       CompressedKV: the compressed codes and scales (both caches)
+    plan.py         which kernel calls a decode/verify step makes (a table of routes)
+    storage.py      the compressed segment's appends and read-back, byte counts
     window.py       the fp16 window, the code tail and the ring
     calibration.py  the levers' calibration (centering, query-aware key scale), undo
-    decode.py       decode and verification attention (L <= 8 queries)
+    decode.py       decode and verification attention (L <= 8 queries): the routes
     prefill.py      prefill attention (L > 8 queries)
     codespace.py    the code-space transforms and their mx.compile'd wrappers
     state.py        the state format (state, meta_state, from_state; formats 1-3)

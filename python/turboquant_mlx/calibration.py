@@ -6,12 +6,22 @@ mean centering (``center``) and query-aware key scaling (``query_aware_keys``).
 Until calibration the cache holds its non-sink tokens unquantized and adds up the
 energies of the queries it attends with; calibration fixes ``mu_k``, ``mu_v`` and the
 key scale ``a`` from them (:mod:`turboquant_mlx.cache` gives the maths), and keeps
-what a trim back before the calibration point needs to undo it.
+what a trim back before the calibration point needs to undo it. A decode or
+verification block that reaches the calibration point is split there
+(:meth:`CalibrationMixin._attend_calibrating`).
 """
 
 from typing import Optional
 
 import mlx.core as mx
+
+
+def _mask_rows(mask, a: int, b: int, L: int):
+    """Rows ``[a, b)`` of an attention mask for ``L`` queries (masks without a row
+    per query apply to every row as they are)."""
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L and L > 1:
+        return mask[..., a:b, :]
+    return mask
 
 
 class CalibrationMixin:
@@ -40,9 +50,9 @@ class CalibrationMixin:
 
     def _model_channels(self, a: Optional[mx.array]) -> Optional[mx.array]:
         """``a`` without the padded channels (see :class:`TurboQuantKVCache`)."""
-        if a is None or self._model_dim is None or a.shape[-1] == self._model_dim:
+        if a is None or self._codec is None or a.shape[-1] == self._codec.model_dim:
             return a
-        return a[..., : self._model_dim]
+        return a[..., : self._codec.model_dim]
 
     def _held_tokens(self) -> int:
         """Non-sink tokens held (all unquantized while not calibrated)."""
@@ -107,8 +117,8 @@ class CalibrationMixin:
         """``a`` ``(B, H, 1, D)`` from mean query and (centered) key energies ``(B, H, D)``
         (computed on the model's channels; 1 on padded channels)."""
         D = q_energy.shape[-1]
-        if self._model_dim is not None and self._model_dim < D:
-            m = self._model_dim
+        if self._codec is not None and self._codec.model_dim < D:
+            m = self._codec.model_dim
             a = self._key_scale_from(q_energy[..., :m], k_energy[..., :m])
             return mx.concatenate([a, mx.ones(a.shape[:-1] + (D - m,), a.dtype)], axis=-1)
         sq = self._pair_mean(q_energy)
@@ -123,6 +133,37 @@ class CalibrationMixin:
         a2 = mx.clip(a2, 1.0 / lim, lim)
         a2 = mx.where(mx.isfinite(a2), a2, 1.0)
         return mx.sqrt(a2)[:, :, None, :]
+
+    def _attend_calibrating(self, queries, scale, mask, sinks):
+        """A decode or verification block before calibration, as single-token steps at
+        its positions would run: the queries' energies are added one position at a time,
+        and if the block holds the position at which the cache holds
+        ``calibration_tokens`` non-sink tokens, the levers are calibrated there, from
+        the tokens up to that position and the queries up to it: the block's later
+        tokens and queries (drafts that verification may reject) take no part. Queries
+        before that position see the uncalibrated cache, the others the calibrated
+        one."""
+        L = queries.shape[2]
+        q0 = self.offset - L
+        if self._held_tokens() < self.calibration_tokens:
+            for i in range(L):
+                self._observe_queries(queries[:, :, i : i + 1], q0 + i)
+            return self._attend_step(queries, scale, mask, sinks)
+        # Rows of the queries before the calibrating position (the update calibrates a
+        # cache that already held that many tokens, so that position is in the block).
+        k = min(max(self.fp16_sink_tokens + self.calibration_tokens - 1 - q0, 0), L - 1)
+        for i in range(k + 1):
+            self._observe_queries(queries[:, :, i : i + 1], q0 + i)
+        outs = []
+        if k:
+            outs.append(
+                self._attend_block(queries[:, :, :k], q0, scale, _mask_rows(mask, 0, k, L), sinks)
+            )
+        self._calibrate(end=q0 + k + 1)
+        outs.append(self._attend_step(queries[:, :, k:], scale, _mask_rows(mask, k, L, L), sinks))
+        if len(outs) == 1:
+            return outs[0]
+        return mx.concatenate([o.astype(mx.float32) for o in outs], axis=2)
 
     def _calibrate(self, end: Optional[int] = None):
         """Fixes ``mu`` and ``a`` from the held tokens before position ``end`` (default:
@@ -160,7 +201,7 @@ class CalibrationMixin:
         self._win_k = self._win_v = None
         self._win_start = S
         self._n_comp = 0
-        self._buffers_private = False  # slots from 0 on are written again
+        self._kv.private = False  # slots from 0 on are written again
         if n:
             self._store(hk, hv, S)
 
@@ -175,7 +216,7 @@ class CalibrationMixin:
         self._q_marks, self._q_energy, self._q_count = marks, q_energy, q_count
         self._drop_code_space()
         self._n_comp = 0
-        self._buffers_private = False  # slots from 0 on are written again
+        self._kv.private = False  # slots from 0 on are written again
         self._win_k = hk[:, :, :held] if held else None
         self._win_v = hv[:, :, :held] if held else None
         self._win_buf = None

@@ -4,26 +4,26 @@
 on :class:`~turboquant_mlx.cache.TurboQuantKVCache`: which segments (fp16 sinks,
 compressed tokens, fp16 window) each query sees, and how they go to the attention op.
 
-A decode step's usual plan is one op call over the compressed tokens with the fp16
-segments as the op's tail; where the tail is longer than the op takes, or masks
-differ per segment, the segments are attended to apart and merged by their
-log-sum-exp (:meth:`DecodeMixin._attend_segments`, one plan for both kinds of op:
-:meth:`DecodeMixin._compressed_part` puts the rotation on the op's side or around
-it). The ops either apply the layer's rotation themselves (model-space queries,
-tails and output: :meth:`DecodeMixin._attend_decode_model_space`) or take
-code-space queries and tails (:meth:`DecodeMixin._attend_decode`; see
-:meth:`~turboquant_mlx.storage.StorageMixin._op_signs`). Their one-call fast paths
-differ in more than the rotation's place (the ring is written by an op in model
-space, by a compiled transform in code space; code space keeps the last tail), and
-stay apart. A verification block's
-queries each see the cache as a single-token step at their position would
-(:meth:`DecodeMixin._attend_block`).
+Which kernel calls a step makes is decided in one place, :func:`turboquant_mlx.plan.
+plan_step` (its docstring has the table of routes); this module carries each route
+out (:attr:`DecodeMixin._ROUTES`). The usual step is one op call over the compressed
+tokens with the fp16 segments as the op's tail; where the tail is longer than the op
+takes, or masks differ per segment, the segments are attended to apart and merged by
+their log-sum-exp (:meth:`DecodeMixin._attend_segments`, one route for both kinds of
+op: :meth:`DecodeMixin._compressed_part` puts the rotation on the op's side or around
+it). The ops either apply the layer's rotation themselves (model-space queries, tails
+and output) or take code-space queries and tails (see
+:meth:`~turboquant_mlx.storage.StorageMixin._op_signs`). Their one-call routes differ
+in more than the rotation's place (the ring is written by an op in model space, by a
+compiled transform in code space; code space keeps the last tail), and stay apart. A
+verification block's queries each see the cache as a single-token step at their
+position would (:meth:`DecodeMixin._attend_block`).
 """
 
 import mlx.core as mx
 import numpy as np
 
-from . import codespace, ops
+from . import ops
 from .attention import dense_attention, merge_attention
 from .codespace import (
     _codes_to_model,
@@ -35,15 +35,8 @@ from .codespace import (
     _queries_to_codes,
 )
 from .ops import MAX_TAIL_TOKENS
+from .plan import plan_step
 from .window import CodeTail, Ring, ring_order, ring_roll, ring_slot
-
-
-def _mask_rows(mask, a: int, b: int, L: int):
-    """Rows ``[a, b)`` of an attention mask for ``L`` queries (masks without a row
-    per query apply to every row as they are)."""
-    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == L and L > 1:
-        return mask[..., a:b, :]
-    return mask
 
 
 def _block_mask(mask, visible: np.ndarray, spans, qpos: np.ndarray):
@@ -68,46 +61,12 @@ class DecodeMixin:
     """Decode and verification attention (module docstring). A part of
     :class:`TurboQuantKVCache`, on its attributes."""
 
-    def _attend_steps(self, queries, scale, mask, sinks):
+    def _attend_step(self, queries, scale, mask, sinks):
         """A decode or verification block (the last ``L <= decode_max_queries``
-        positions) on a calibrated cache: each query sees what a single-token step at
-        its position sees (see :meth:`_attend_block`)."""
-        L = queries.shape[2]
-        if L > 1 and self.fp16_recent_tokens:
-            # (Without a window every query sees the same stored tokens, causally.)
-            return self._attend_block(queries, self.offset - L, scale, mask, sinks)
-        return self._attend_decode(queries, scale, mask, sinks)
-
-    def _attend_calibrating(self, queries, scale, mask, sinks):
-        """A decode or verification block before calibration, as single-token steps at
-        its positions would run: the queries' energies are added one position at a time,
-        and if the block holds the position at which the cache holds
-        ``calibration_tokens`` non-sink tokens, the levers are calibrated there, from
-        the tokens up to that position and the queries up to it: the block's later
-        tokens and queries (drafts that verification may reject) take no part. Queries
-        before that position see the uncalibrated cache, the others the calibrated
-        one."""
-        L = queries.shape[2]
-        q0 = self.offset - L
-        if self._held_tokens() < self.calibration_tokens:
-            for i in range(L):
-                self._observe_queries(queries[:, :, i : i + 1], q0 + i)
-            return self._attend_decode(queries, scale, mask, sinks)
-        # Rows of the queries before the calibrating position (the update calibrates a
-        # cache that already held that many tokens, so that position is in the block).
-        k = min(max(self.fp16_sink_tokens + self.calibration_tokens - 1 - q0, 0), L - 1)
-        for i in range(k + 1):
-            self._observe_queries(queries[:, :, i : i + 1], q0 + i)
-        outs = []
-        if k:
-            outs.append(
-                self._attend_block(queries[:, :, :k], q0, scale, _mask_rows(mask, 0, k, L), sinks)
-            )
-        self._calibrate(end=q0 + k + 1)
-        outs.append(self._attend_steps(queries[:, :, k:], scale, _mask_rows(mask, k, L, L), sinks))
-        if len(outs) == 1:
-            return outs[0]
-        return mx.concatenate([o.astype(mx.float32) for o in outs], axis=2)
+        positions): the route :func:`~turboquant_mlx.plan.plan_step` picks, carried
+        out by the method of that name in :attr:`_ROUTES`."""
+        plan = plan_step(self, queries.shape[2], mask, sinks)
+        return self._ROUTES[plan.route](self, queries, scale, mask, sinks, plan)
 
     @staticmethod
     def _segment_mask(mask, p0: int, n: int, q0: int, L: int):
@@ -190,7 +149,7 @@ class DecodeMixin:
         # CUDA build's tensor-core kernel takes them (float32 selects its exact kernel);
         # the CPU kernel gets float32.
         fn = _fused_queries_to_codes if fused else _queries_to_codes
-        signs, matrix, rot_scale = self._rotation.params()
+        signs, matrix, rot_scale = self._codec.rotation.params()
         return fn(q, self._key_scale, signs, matrix, rot_scale, _half_queries_on_gpu(q.dtype))
 
     def _compressed_result(self, out: mx.array, lse: mx.array, q: mx.array, scale: float):
@@ -199,62 +158,44 @@ class DecodeMixin:
         return _codes_to_model(out, lse, q, *self._model_space_args(), scale)
 
     def _model_space_args(self):
-        signs, matrix, rot_scale = self._rotation.params()
+        signs, matrix, rot_scale = self._codec.rotation.params()
         if not self.rotate_values:
             signs = matrix = None
         return signs, matrix, rot_scale, self._mu_k, self._mu_v
 
-    def _attend_decode(self, queries, scale, mask, sinks):
-        if self._op_signs() is not None:
-            return self._attend_decode_model_space(queries, scale, mask, sinks)
+    # -- the routes (see turboquant_mlx.plan): each (queries, scale, mask, sinks, plan)
+
+    def _route_block(self, queries, scale, mask, sinks, plan):
+        return self._attend_block(queries, self.offset - queries.shape[2], scale, mask, sinks)
+
+    def _route_segments(self, queries, scale, mask, sinks, plan):
+        return self._attend_segments(queries, scale, mask, sinks, plan.c, plan.wpos)
+
+    def _route_ring(self, queries, scale, mask, sinks, plan):
+        return self._ring_step(queries, scale, plan.ns, plan.c)
+
+    def _route_code_space_tail(self, queries, scale, mask, sinks, plan):
         L = queries.shape[2]
-        if L == 1 and codespace._COMPILE and sinks is None and not isinstance(mask, mx.array):
-            ring_step = self._ring_step_layout()
-            if ring_step is not None:
-                # A window preset's usual step: the ring tail, without building the
-                # segment list.
-                return self._ring_step(queries, scale, *ring_step)
-        q0 = self.offset - L
-        ns, c, wpos = self._layout()
-        # The usual decode step: the compressed tokens and fp16 segments (sinks, window)
-        # that every query sees whole. Up to MAX_TAIL_TOKENS of the latter go into the
-        # attention op as its tail (one call); longer ones are attended to apart, and
-        # one compiled function goes from the op's output to the layer's output.
-        segments = self._dense_segments(self.offset)
-        fused = (
-            codespace._COMPILE
-            and sinks is None
-            and c >= L
-            and all(self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments)
+        return self._attend_decode_with_tail(
+            queries,
+            scale,
+            *self._op_mask(mask, plan.c, plan.wpos, self.offset - L, L),
+            plan.ns,
+            plan.c,
+            plan.wpos,
+            [k for k, _, _, _ in plan.segments],
+            [v for _, v, _, _ in plan.segments],
         )
-        if not fused:
-            return self._attend_segments(queries, scale, mask, sinks, c, wpos)
-        dense_k = [k for k, _, _, _ in segments]
-        dense_v = [v for _, v, _, _ in segments]
-        tail = sum(n for _, _, _, n in segments)
-        # Without a tail, a row whose keys are all masked must stay 0: mu_v is only
-        # added where a row saw a key (the general path checks).
-        if tail <= MAX_TAIL_TOKENS and (tail > 0 or self._mu_v is None):
-            return self._attend_decode_with_tail(
-                queries,
-                scale,
-                *self._op_mask(mask, c, wpos, q0, L),
-                ns,
-                c,
-                wpos,
-                dense_k,
-                dense_v,
-            )
-        causal, op_mask = self._op_mask(mask, c, wpos, q0, L)
+
+    def _route_fused_apart(self, queries, scale, mask, sinks, plan):
+        L = queries.shape[2]
+        causal, op_mask = self._op_mask(mask, plan.c, plan.wpos, self.offset - L, L)
         out, lse = ops.compressed_attention(
             self._compressed_queries(queries, fused=True),
-            self._k_codes,
-            self._k_scales,
-            self._v_codes,
-            self._v_scales,
-            self._k_centroids,
-            self._v_centroids,
-            c,
+            *self._kv.arrays,
+            self._codec.key_centroids,
+            self._codec.value_centroids,
+            plan.c,
             scale,
             self.key_bits,
             self.value_bits,
@@ -267,9 +208,34 @@ class DecodeMixin:
             queries,
             *self._model_space_args(),
             scale,
-            dense_k,
-            dense_v,
+            [k for k, _, _, _ in plan.segments],
+            [v for _, v, _, _ in plan.segments],
         )
+
+    def _route_all_compressed(self, queries, scale, mask, sinks, plan):
+        # (The plain codec: the step's Python time is most of its cost.)
+        return self._model_space_op(queries, plan.c, scale, final=True)[0]
+
+    def _route_sinks_tail(self, queries, scale, mask, sinks, plan):
+        tail = (self._sink_k, self._sink_v)
+        return self._model_space_op(queries, plan.c, scale, tail=tail, final=True)[0]
+
+    def _route_ring_model_space(self, queries, scale, mask, sinks, plan):
+        tail = self._ring_write_new_token(plan.ns)
+        out = self._model_space_op(queries, plan.c, scale, tail=tail, final=True)[0]
+        self._ring_readers.append(out)
+        return out
+
+    def _route_model_space_tail(self, queries, scale, mask, sinks, plan):
+        L = queries.shape[2]
+        tail = self._model_space_tail(plan.segments, plan.ns, plan.wpos, L)
+        op_mask = self._op_mask(mask, plan.c, plan.wpos, self.offset - L, L)
+        out = self._model_space_op(queries, plan.c, scale, *op_mask, tail=tail, final=True)[0]
+        if self._ring is not None and self._ring.keys is tail[0]:
+            self._ring_readers.append(out)
+        return out
+
+    # -- the parts the routes are made of
 
     def _attend_segments(self, queries, scale, mask, sinks, c: int, wpos: int):
         """A decode step's general plan, whichever side of the op the rotation is on: the
@@ -299,12 +265,9 @@ class DecodeMixin:
             return self._model_space_op(queries, c, scale, causal, op_mask)
         out, lse = ops.compressed_attention(
             self._compressed_queries(queries),
-            self._k_codes,
-            self._k_scales,
-            self._v_codes,
-            self._v_scales,
-            self._k_centroids,
-            self._v_centroids,
+            *self._kv.arrays,
+            self._codec.key_centroids,
+            self._codec.value_centroids,
             c,
             scale,
             self.key_bits,
@@ -318,7 +281,7 @@ class DecodeMixin:
         """``(out, lse)`` of fewer compressed tokens than queries (the op needs
         ``kv_len >= L``): a few tokens only, attended to dequantized."""
         L = queries.shape[2]
-        k, v = self._decoded(0, c)
+        k, v = self._kv.decoded(0, c)
         out, lse = dense_attention(
             self._compressed_queries(queries),
             k,
@@ -379,7 +342,7 @@ class DecodeMixin:
                 causal, op_mask = False, _block_mask(mask, visible, [(S, c)], qpos)
             if c < L:
                 # (The op needs at least as many tokens as queries.)
-                kd, vd = self._decoded(0, c)
+                kd, vd = self._kv.decoded(0, c)
                 out, lse = dense_attention(
                     self._compressed_queries(queries), kd, vd, scale, op_mask
                 )
@@ -389,57 +352,6 @@ class DecodeMixin:
         if sinks is not None:
             parts.append(self._sink_part(sinks, queries))
         return merge_attention(parts)[0]
-
-    def _attend_decode_model_space(self, queries, scale, mask, sinks):
-        """A decode step with ops that take the model's space (:meth:`_op_signs`): the
-        queries, the fp16 sinks and window as they are stored, and the layer's output
-        all stay in model space; the op rotates and undoes the centering. A step whose
-        queries see every fp16 token (the usual one) is one op call."""
-        L = queries.shape[2]
-        simple = L == 1 and sinks is None and not isinstance(mask, mx.array)
-        if simple and self._n_comp == self.offset:
-            # Every token compressed (the plain codec): the step's Python time is most of
-            # its cost, so it skips the bookkeeping below.
-            return self._model_space_op(queries, self._n_comp, scale, final=True)[0]
-        if (
-            simple
-            and self.fp16_recent_tokens == 0
-            and self._n_comp > 0
-            and self._sink_k is not None
-            and self._sink_k.shape[2] + self._n_comp == self.offset
-        ):
-            # The sinks and the compressed tokens, no window: the tail is the sinks, as
-            # the segment list below would give it.
-            return self._model_space_op(
-                queries, self._n_comp, scale, tail=(self._sink_k, self._sink_v), final=True
-            )[0]
-        if simple:
-            ring_step = self._ring_step_layout()
-            if ring_step is not None:
-                ns, c = ring_step
-                tail = self._ring_write_new_token(ns)
-                out = self._model_space_op(queries, c, scale, tail=tail, final=True)[0]
-                self._ring_readers.append(out)
-                return out
-        q0 = self.offset - L
-        ns, c, wpos = self._layout()
-        segments = self._dense_segments(self.offset)
-        n_tail = sum(n for _, _, _, n in segments)
-        one_call = (
-            sinks is None
-            and c >= L
-            and 0 < n_tail <= MAX_TAIL_TOKENS
-            and all(self._segment_mask(mask, p0, n, q0, L) is None for _, _, p0, n in segments)
-        )
-        if one_call:
-            tail = self._model_space_tail(segments, ns, wpos, L)
-            out = self._model_space_op(
-                queries, c, scale, *self._op_mask(mask, c, wpos, q0, L), tail=tail, final=True
-            )[0]
-            if self._ring is not None and self._ring.keys is tail[0]:
-                self._ring_readers.append(out)
-            return out
-        return self._attend_segments(queries, scale, mask, sinks, c, wpos)
 
     def _model_space_op(
         self,
@@ -457,12 +369,9 @@ class DecodeMixin:
         float32, for merging with other parts)."""
         return ops.compressed_attention(
             queries,
-            self._k_codes,
-            self._k_scales,
-            self._v_codes,
-            self._v_scales,
-            self._k_centroids,
-            self._v_centroids,
+            *self._kv.arrays,
+            self._codec.key_centroids,
+            self._codec.value_centroids,
             c,
             scale,
             self.key_bits,
@@ -533,12 +442,12 @@ class DecodeMixin:
         """A decode step as one attention call: the fp16 segments (possibly none; sinks
         first, ``ns`` of them, then the window from ``wpos``), which every query sees
         whole, join the ``c`` compressed tokens as the op's tail."""
-        signs, matrix, rot_scale = self._rotation.params()
+        signs, matrix, rot_scale = self._codec.rotation.params()
         n_win = sum(k.shape[2] for k in dense_k) - ns
         ct = self._code_tail
         R = self.fp16_recent_tokens
         # (A single-token step whose ring holds the sinks and full window never gets
-        # here: _attend_decode takes it to _ring_step first.)
+        # here: the plan takes it to the ring route first.)
         if (
             dense_k
             and ct is not None
@@ -611,7 +520,7 @@ class DecodeMixin:
         that just left the window (quantized by update_and_fetch from its code-space
         copy), then one attention call over the compressed tokens and the ring, which
         the query sees whole (no causal limit, no mask)."""
-        signs, matrix, rot_scale = self._rotation.params()
+        signs, matrix, rot_scale = self._codec.rotation.params()
         ring, new = self._ring, self._new_token
         P = self.offset - 1
         tail_k, tail_v = ring.keys, ring.values
@@ -641,12 +550,9 @@ class DecodeMixin:
         output (``q_codes``: the queries in code space)."""
         out, _ = ops.compressed_attention(
             q_codes,
-            self._k_codes,
-            self._k_scales,
-            self._v_codes,
-            self._v_scales,
-            self._k_centroids,
-            self._v_centroids,
+            *self._kv.arrays,
+            self._codec.key_centroids,
+            self._codec.value_centroids,
             c,
             scale,
             self.key_bits,
@@ -658,3 +564,15 @@ class DecodeMixin:
         )
         signs, matrix, rot_scale, _, mu_v = self._model_space_args()
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)
+
+    _ROUTES = {
+        "block": _route_block,
+        "all_compressed": _route_all_compressed,
+        "sinks_tail": _route_sinks_tail,
+        "ring_model_space": _route_ring_model_space,
+        "ring": _route_ring,
+        "model_space_tail": _route_model_space_tail,
+        "code_space_tail": _route_code_space_tail,
+        "fused_apart": _route_fused_apart,
+        "segments": _route_segments,
+    }

@@ -21,7 +21,6 @@ modules of its bases, each on the class's attributes:
 * :mod:`~turboquant_mlx.prefill`: prefill attention.
 """
 
-import sys
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -29,7 +28,6 @@ import numpy as np
 from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from . import codebook, ops
 from ._common import (
     _PREFIX,
     _ROPE_PAIRINGS,
@@ -38,10 +36,11 @@ from ._common import (
     _check_int,
     _pad_last,
     deepcopy_attributes,
-    padded_head_dim,
 )
 from .attention import ensure_hook, register_cache_class
+from .buffer import CompressedKV
 from .calibration import CalibrationMixin
+from .codec import Codec
 from .codespace import _fused_all_finite
 from .decode import DecodeMixin
 from .prefill import PrefillMixin, release_scratch
@@ -226,24 +225,14 @@ class TurboQuantKVCache(
         self.rope_pairing = rope_pairing
         self.rope_dims = _check_int("rope_dims", rope_dims)
         self.calibration_tokens = _check_int("calibration_tokens", calibration_tokens, 1)
-        self._head_dim = None
-        self._model_dim = None
-        self._rotation = None
+        self._codec = None  # set at the first update (the head dim comes with it)
 
     def _reset_storage(self):
         self.offset = 0
-        self._k_codes = self._k_scales = self._v_codes = self._v_scales = None
+        # The compressed segment: a buffer.CompressedKV (set with the codec) whose
+        # slots [0, _n_comp) hold the compressed positions [S, S + _n_comp).
+        self._kv = None
         self._n_comp = 0
-        # Whether the compressed buffers are this cache's alone and every slot at or
-        # past _n_comp is free to write, so that appends write them in place
-        # (quantize_append's in_place). MLX holds an op's inputs until the device has
-        # run it: while the previous decode step still runs, the buffers are never
-        # free to donate, and an append that waited for donation would copy the whole
-        # cache. Cleared where that stops being true (a deep copy shares the buffers;
-        # a trim or a re-calibration rewrites slots that older arrays may still read;
-        # arrays set from a state belong to the caller); the next append then copies
-        # once if it must, and the buffers are private again.
-        self._buffers_private = True
         self._sink_k = self._sink_v = None
         self._win_k = self._win_v = None
         self._win_start = self.fp16_sink_tokens
@@ -275,45 +264,35 @@ class TurboQuantKVCache(
         self._calib_undo = None
         self._calib_in_prompt = False
 
-    def _init_codec(self, head_dim: int):
-        """Sets up the codec for the model's head dim (stored padded if need be)."""
-        try:
-            stored = padded_head_dim(head_dim)
-        except ValueError as e:
-            raise ValueError(f"{_PREFIX} {e}.") from None
-        for bits in (self.key_bits, self.value_bits):
-            try:
-                ops.words_per_token(stored, bits)
-            except Exception as e:
-                raise ValueError(
-                    f"{_PREFIX} head_dim {head_dim} is not supported at {bits} bits: {e}"
-                ) from e
-        self._model_dim = int(head_dim)
-        self._head_dim = stored
-        self._rotation = Rotation(self._head_dim, self.seed)
-        self._k_centroids = codebook.centroids(self._head_dim, self.key_bits)
-        self._v_centroids = codebook.centroids(self._head_dim, self.value_bits)
+    def _init_codec(self, head_dim: int, batch: int, heads: int, arrays=None):
+        """Sets up the codec for the model's head dim (stored padded if need be) and
+        the compressed buffer (over a state's ``arrays``, or empty)."""
+        self._codec = Codec(head_dim, self.key_bits, self.value_bits, self.seed)
+        self._batch_heads = (batch, heads)
+        self._kv = CompressedKV(self._codec)
+        if arrays is not None:
+            self._kv.replace(arrays, private=False)
 
     @property
     def head_dim(self) -> Optional[int]:
         """The model's head dim (``None`` before the first update)."""
-        return self._model_dim
+        return None if self._codec is None else self._codec.model_dim
 
     @property
     def stored_head_dim(self) -> Optional[int]:
         """Head dim of the stored vectors: :attr:`head_dim`, or the next multiple of 32
         where the cache pads (``None`` before the first update)."""
-        return self._head_dim
+        return None if self._codec is None else self._codec.head_dim
 
     @property
     def padded(self) -> bool:
         """Whether the cache stores zero-padded vectors (see the class docstring)."""
-        return self._head_dim is not None and self._head_dim != self._model_dim
+        return self._codec is not None and self._codec.padded
 
     @property
     def rotation(self) -> Optional[Rotation]:
         """The layer's rotation (``None`` before the first update)."""
-        return self._rotation
+        return None if self._codec is None else self._codec.rotation
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Stores new tokens ``(B, H_kv, L, D)`` and returns them unchanged.
@@ -329,7 +308,7 @@ class TurboQuantKVCache(
         """
         # The attention that follows must be the hook's (see ensure_hook), whoever made
         # this cache: mlx-lm's own would see only the tokens returned here.
-        ensure_hook(sys._getframe(1).f_globals)
+        ensure_hook()
         self._settle_finite_check()
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
@@ -341,12 +320,13 @@ class TurboQuantKVCache(
                 f"{_PREFIX} keys and values must have the same head dim (one rotation per "
                 f"layer); got {keys.shape[-1]} and {values.shape[-1]}."
             )
-        if self._head_dim is not None and (
-            keys.shape[-1] != self._model_dim or (keys.shape[0], keys.shape[1]) != self._batch_heads
+        if self._codec is not None and (
+            keys.shape[-1] != self._codec.model_dim
+            or (keys.shape[0], keys.shape[1]) != self._batch_heads
         ):
             raise ValueError(
                 f"{_PREFIX} new tokens {tuple(keys.shape)} do not match the cache "
-                f"(B, H_kv, D) = {self._batch_heads + (self._model_dim,)}."
+                f"(B, H_kv, D) = {self._batch_heads + (self._codec.model_dim,)}."
             )
         given = keys, values
         window_dtype = self.window_dtype
@@ -375,12 +355,12 @@ class TurboQuantKVCache(
         if checked and not deferred and not _fused_all_finite(keys, values).item():
             raise ValueError(self._not_finite_message(given, window_dtype))
         # Everything checked (a refused update changes nothing): store.
-        if self._head_dim is None:
-            self._init_codec(keys.shape[-1])  # (refuses an unsupported head dim first)
-            self._batch_heads = (keys.shape[0], keys.shape[1])
-        if self._head_dim != self._model_dim:  # zero-padded from here on
-            keys = _pad_last(keys, self._head_dim)
-            values = _pad_last(values, self._head_dim)
+        if self._codec is None:
+            # (refuses an unsupported head dim first)
+            self._init_codec(keys.shape[-1], keys.shape[0], keys.shape[1])
+        if self._codec.padded:  # zero-padded from here on
+            keys = _pad_last(keys, self._codec.head_dim)
+            values = _pad_last(values, self._codec.head_dim)
         self.window_dtype = window_dtype
         if self._calib_undo is not None and self._calib_in_prompt:
             # Calibrated at a prompt block's attention: the steps that follow trim only
@@ -465,13 +445,14 @@ class TurboQuantKVCache(
         Returns:
             ``(B, H_q, L, D)`` in the queries' dtype.
         """
-        if self.offset == 0 or self._head_dim is None:
+        if self.offset == 0 or self._codec is None:
             raise ValueError(f"{_PREFIX} attention on an empty cache.")
         B, n_q, L, D = queries.shape
-        if D != self._model_dim or B != self._batch_heads[0] or n_q % self._batch_heads[1]:
+        codec = self._codec
+        if D != codec.model_dim or B != self._batch_heads[0] or n_q % self._batch_heads[1]:
             raise ValueError(
                 f"{_PREFIX} queries {tuple(queries.shape)} do not match the cache "
-                f"(B, H_kv, D) = {self._batch_heads + (self._model_dim,)}."
+                f"(B, H_kv, D) = {self._batch_heads + (self._codec.model_dim,)}."
             )
         if L > self.offset:
             raise ValueError(f"{_PREFIX} {L} queries but only {self.offset} cached tokens.")
@@ -490,21 +471,21 @@ class TurboQuantKVCache(
             )
         if self._fresh is not None and self._fresh[0].shape[2] != L:
             self._fresh = None  # these queries are not the block that just arrived
-        if D != self._head_dim:  # padded queries: dot products unchanged
-            queries = _pad_last(queries, self._head_dim)
+        if D != codec.head_dim:  # padded queries: dot products unchanged
+            queries = _pad_last(queries, codec.head_dim)
         if L <= self.decode_max_queries:
             release_scratch()  # the prompt is read: its temporaries go
             if not self._calibrated:
                 out = self._attend_calibrating(queries, scale, mask, sinks)
             else:
-                out = self._attend_steps(queries, scale, mask, sinks)
+                out = self._attend_step(queries, scale, mask, sinks)
         else:
             if not self._calibrated:
                 self._observe_queries(queries, self.offset - L)
                 if self._held_tokens() >= self.calibration_tokens:
                     self._calibrate()
             out = self._attend_prefill(queries, scale, mask, sinks)
-        if D != self._head_dim:
+        if D != codec.head_dim:
             out = out[..., :D]
         return out.astype(queries.dtype)
 
@@ -520,7 +501,7 @@ class TurboQuantKVCache(
         return self.offset
 
     def empty(self) -> bool:
-        return self._head_dim is None
+        return self._codec is None
 
     def is_trimmable(self) -> bool:
         return True
@@ -559,7 +540,7 @@ class TurboQuantKVCache(
         self._n_comp = min(self._n_comp, max(0, new - S))
         # The dropped slots are written again by the next appends, while arrays taken
         # before the trim (state, dequantized tokens, pending graphs) may still read them.
-        self._buffers_private = False
+        self._kv.private = False
         if self._calib_undo is not None and new < self._calib_undo[0]:
             self._uncalibrate(new)
         elif (self.fp16_recent_tokens == 0 and self._calibrated) or new <= self._win_start:
@@ -579,8 +560,9 @@ class TurboQuantKVCache(
         # A deep copy of an mx.array shares its buffer: neither cache may append to the
         # shared buffers in place, nor write the shared ring in place (both start a ring
         # of their own at their next decode step).
-        self._buffers_private = new._buffers_private = False
         for c in (self, new):
+            if c._kv is not None:
+                c._kv.private = False
             c._ring, c._ring_readers = None, []
         return new
 

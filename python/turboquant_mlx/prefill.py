@@ -119,7 +119,7 @@ class PrefillMixin:
         _, c, _ = self._layout()
         n_comp = max(0, min(c, self._exact_from() - S))
         segments = self._dense_segments(self.offset)
-        signs, matrix, rot_scale = self._rotation.params()
+        signs, matrix, rot_scale = self._codec.rotation.params()
         # A prompt's blocks have the same shapes (but its last): compiled, each of these
         # transforms is a kernel or two instead of about ten (see codespace._COMPILE).
         to_codes = _fused_to_code_space if codespace._COMPILE else _to_code_space
@@ -153,8 +153,8 @@ class PrefillMixin:
             before_k, before_v = code_space([g for g in segments if g[2] < S])
             after_k, after_v = code_space([g for g in segments if g[2] >= S])
             B, H = self._batch_heads
-            size = B * H * self.offset * self._head_dim  # every token; keys and values alike
-            k, v = self._decoded(
+            size = B * H * self.offset * self._codec.head_dim  # every token; keys and values alike
+            k, v = self._kv.decoded(
                 0,
                 n_comp,
                 dtype,

@@ -103,20 +103,15 @@ class StateMixin:
         ]
         if self.padded:  # format 3: the arrays hold padded vectors of the model's dim
             values[0] = _FORMAT_VERSION_PADDED
-            values.append(self._model_dim)
+            values.append(self._codec.model_dim)
         return values
 
     def _state_arrays(self) -> List[mx.array]:
         n = self._n_comp
-        if self._k_codes is None or n == 0:
+        if self._kv is None or self._kv.k_codes is None or n == 0:
             comp = [_empty(mx.uint32), _empty(mx.float16), _empty(mx.uint32), _empty(mx.float16)]
         else:
-            comp = [
-                self._k_codes[:, :, :n],
-                self._k_scales[:, :, :n],
-                self._v_codes[:, :, :n],
-                self._v_scales[:, :, :n],
-            ]
+            comp = [a[:, :, :n] for a in self._kv.arrays]
         dense = [
             a if not _is_empty(a) else _empty(mx.float16)
             for a in (self._sink_k, self._sink_v, self._win_k, self._win_v)
@@ -344,7 +339,8 @@ class StateMixin:
                 self._check_head_dim(bhd[0][2], bad)
             # A cache trimmed to nothing keeps its calibration (or query energies).
             self._drop_code_space()
-            self._buffers_private = False
+            if self._kv is not None:
+                self._kv.private = False
             self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
             self._q_marks, self._calib_undo = [], None
             return
@@ -448,12 +444,10 @@ class StateMixin:
 
         # Everything checked: store.
         self._drop_code_space()
-        self._buffers_private = False  # the caller's arrays
-        self._init_codec(model_dim)
-        self._batch_heads = (B, H)
+        # (a buffer over the caller's arrays: not private)
+        self._init_codec(model_dim, B, H, arrays=(kc, ks, vc, vs))
         if dense:
             self.window_dtype = dense[0][1].dtype
-        self._k_codes, self._k_scales, self._v_codes, self._v_scales = kc, ks, vc, vs
         self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
         self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
         self._q_marks, self._calib_undo = [], None  # (no history: trims keep these)

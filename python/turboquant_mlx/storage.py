@@ -11,7 +11,7 @@ from typing import Tuple
 
 import mlx.core as mx
 
-from . import codespace, ops
+from . import codespace
 from ._common import _PREFIX, _check_int
 from .codespace import _fused_to_code_space, _to_code_space
 
@@ -27,33 +27,18 @@ class StorageMixin:
         growing (each growth copies the buffers).
         """
         self._reserve_tokens = _check_int("tokens", tokens)
-        if self._k_codes is not None:
+        if self._kv is not None:
             self._ensure_capacity(self._reserve_tokens - self.fp16_sink_tokens)
 
     def _ensure_capacity(self, needed: int):
-        cap = 0 if self._k_codes is None else self._k_codes.shape[2]
+        cap = self._kv.capacity
         if needed <= cap:
             return
         new_cap = max(
             needed, int(math.ceil(cap * self.growth)), self._reserve_tokens - self.fp16_sink_tokens
         )
         new_cap = -(-new_cap // self.step) * self.step
-        B, H = self._batch_heads
-        wk = ops.words_per_token(self._head_dim, self.key_bits)
-        wv = ops.words_per_token(self._head_dim, self.value_bits)
-        n = self._n_comp
-
-        def grow(buf, tail, dtype):
-            fresh = mx.zeros((B, H, new_cap - n) + tail, dtype=dtype)
-            if buf is None or n == 0:
-                return fresh
-            return mx.concatenate([buf[:, :, :n], fresh], axis=2)
-
-        self._k_codes = grow(self._k_codes, (wk,), mx.uint32)
-        self._k_scales = grow(self._k_scales, (), mx.float16)
-        self._v_codes = grow(self._v_codes, (wv,), mx.uint32)
-        self._v_scales = grow(self._v_scales, (), mx.float16)
-        self._buffers_private = True  # new arrays
+        self._kv.grow(new_cap, self._n_comp, *self._batch_heads)
 
     def _quantize(self, keys: mx.array, values: mx.array):
         """Appends tokens to the compressed segment."""
@@ -77,7 +62,7 @@ class StorageMixin:
             self._mu_k,
             self._mu_v,
             self._key_scale,
-            *self._rotation.params(),
+            *self._codec.rotation.params(),
             self.rotate_values,
         )
         self._append_code_space(k_rot, v_rot)
@@ -89,7 +74,7 @@ class StorageMixin:
         whose per-channel scale the ops do not apply)."""
         if self.query_aware_keys:
             return None
-        return self._rotation.kernel_signs
+        return self._codec.rotation.kernel_signs
 
     def _append_code_space(
         self, k_rot: mx.array, v_rot: mx.array, signs=None, mu_k=None, mu_v=None
@@ -99,97 +84,24 @@ class StorageMixin:
         None) and rotates."""
         n = k_rot.shape[2]
         self._ensure_capacity(self._n_comp + n)
-        v_signs = signs if self.rotate_values else None
-        if self._buffers_private:
-            # Written in place, keys and values in one node.
-            self._k_codes, self._k_scales, self._v_codes, self._v_scales = ops.quantize_append_kv(
-                self._k_codes,
-                self._k_scales,
-                self._v_codes,
-                self._v_scales,
-                k_rot,
-                v_rot,
-                self._k_centroids,
-                self._v_centroids,
-                self._n_comp,
-                self.key_bits,
-                self.value_bits,
-                key_rotation_signs=signs,
-                value_rotation_signs=v_signs,
-                key_mean=mu_k,
-                value_mean=mu_v,
-            )
-        else:
-            self._k_codes, self._k_scales = ops.quantize_append(
-                self._k_codes,
-                self._k_scales,
-                k_rot,
-                self._k_centroids,
-                self._n_comp,
-                self.key_bits,
-                rotation_signs=signs,
-                mean=mu_k,
-            )
-            self._v_codes, self._v_scales = ops.quantize_append(
-                self._v_codes,
-                self._v_scales,
-                v_rot,
-                self._v_centroids,
-                self._n_comp,
-                self.value_bits,
-                rotation_signs=v_signs,
-                mean=mu_v,
-            )
+        self._kv.write(
+            k_rot,
+            v_rot,
+            self._n_comp,
+            key_signs=signs,
+            value_signs=signs if self.rotate_values else None,
+            key_mean=mu_k,
+            value_mean=mu_v,
+        )
         self._n_comp += n
-        # Without in_place the outputs reused buffers nothing else held, or are copies.
-        self._buffers_private = True
-
-    def _decoded(
-        self,
-        start,
-        length,
-        dtype=mx.float32,
-        key_rows=(None, None),
-        value_rows=(None, None),
-        into=(None, None),
-    ):
-        """Keys and values of compressed tokens ``[start, start+length)`` as stored
-        (rotated, centered, scaled): :func:`ops.dequantize` of both buffers in
-        ``dtype``, each with its ``(prefix, suffix)`` rows around the tokens and the
-        buffer it is written ``into`` (the prefill's)."""
-        k = ops.dequantize(
-            self._k_codes,
-            self._k_scales,
-            self._k_centroids,
-            self.key_bits,
-            start,
-            length,
-            dtype=dtype,
-            prefix=key_rows[0],
-            suffix=key_rows[1],
-            into=into[0],
-        )
-        v = ops.dequantize(
-            self._v_codes,
-            self._v_scales,
-            self._v_centroids,
-            self.value_bits,
-            start,
-            length,
-            dtype=dtype,
-            prefix=value_rows[0],
-            suffix=value_rows[1],
-            into=into[1],
-        )
-        return k, v
 
     def _dequantized(self, start, length, dtype):
         """Keys and values of compressed tokens ``[start, start+length)`` in the model's
         space (unrotated, unscaled, mean added back)."""
-        k, v = self._decoded(start, length)
-        k = self._rotation.inverse(k)
+        k, v = self._kv.decoded(start, length)
+        k = self._codec.rotation.inverse(k)
         if self.rotate_values:
-            v = self._rotation.inverse(v)
+            v = self._codec.rotation.inverse(v)
         if self._key_scale is not None:
             k = k / self._key_scale
         if self._mu_k is not None:
@@ -222,8 +134,8 @@ class StorageMixin:
             ks.append(self._win_k[:, :, i0:].astype(dtype))
             vs.append(self._win_v[:, :, i0:].astype(dtype))
         k, v = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
-        if self._head_dim != self._model_dim:
-            k, v = k[..., : self._model_dim], v[..., : self._model_dim]
+        if self._codec.padded:
+            k, v = k[..., : self._codec.model_dim], v[..., : self._codec.model_dim]
         return k, v
 
     @property
@@ -234,18 +146,7 @@ class StorageMixin:
         window = (self._win_k, self._win_v)
         if self._win_buf is not None and self._win_buf.view is self._win_k:
             window = (self._win_buf.keys, self._win_buf.values)
-        arrays = (
-            (
-                self._k_codes,
-                self._k_scales,
-                self._v_codes,
-                self._v_scales,
-                self._sink_k,
-                self._sink_v,
-            )
-            + window
-            + self._lever_arrays()
-        )
+        arrays = (self._sink_k, self._sink_v) + window + self._lever_arrays()
         code_space = []
         if self._code_tail is not None:
             code_space += [self._code_tail.keys, self._code_tail.values]
@@ -255,18 +156,13 @@ class StorageMixin:
             code_space += [k, v]
         if self._calib_undo is not None:  # (the tokens held before the calibration)
             code_space += self._calib_undo[1:3]
-        return sum(a.nbytes for a in arrays + tuple(code_space) if a is not None)
+        compressed = 0 if self._kv is None else self._kv.nbytes
+        return compressed + sum(a.nbytes for a in arrays + tuple(code_space) if a is not None)
 
     @property
     def used_nbytes(self) -> int:
         """Bytes of the stored tokens (capacity not yet used is not counted)."""
-        n = self._n_comp
-        total = 0
-        if n and self._k_codes is not None:
-            B, H = self._batch_heads
-            wk = ops.words_per_token(self._head_dim, self.key_bits)
-            wv = ops.words_per_token(self._head_dim, self.value_bits)
-            total += B * H * n * (4 * (wk + wv) + 2 * 2)
+        total = 0 if self._kv is None else self._kv.used_nbytes(self._n_comp)
         for a in (self._sink_k, self._sink_v, self._win_k, self._win_v) + self._lever_arrays():
             if a is not None:
                 total += a.nbytes
@@ -274,7 +170,7 @@ class StorageMixin:
 
     def dense_nbytes(self, bytes_per_element: int = 2) -> int:
         """Bytes an uncompressed cache of the same tokens would hold (default fp16)."""
-        if self._head_dim is None:
+        if self._codec is None:
             return 0
         B, H = self._batch_heads
-        return 2 * B * H * self.offset * self._model_dim * bytes_per_element
+        return 2 * B * H * self.offset * self._codec.model_dim * bytes_per_element

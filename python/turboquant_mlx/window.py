@@ -216,31 +216,20 @@ class WindowMixin:
         self._ring = None  # only the ring may hold its buffers (written in place)
         self._ensure_capacity(self._n_comp + 1)
         after, self._ring_readers = self._ring_readers, []
-        (self._k_codes, self._k_scales, self._v_codes, self._v_scales, ring_k, ring_v) = (
-            ops.ring_append_kv(
-                self._k_codes,
-                self._k_scales,
-                self._v_codes,
-                self._v_scales,
-                ring.keys,
-                ring.values,
-                rk,
-                rv,
-                self._k_centroids,
-                self._v_centroids,
-                self._n_comp,
-                slot,
-                self.key_bits,
-                self.value_bits,
-                key_rotation_signs=signs,
-                value_rotation_signs=signs if self.rotate_values else None,
-                key_mean=self._mu_k,
-                value_mean=self._mu_v,
-                after=after,
-            )
+        ring_k, ring_v = self._kv.ring_write(
+            ring.keys,
+            ring.values,
+            rk,
+            rv,
+            self._n_comp,
+            slot,
+            key_signs=signs,
+            value_signs=signs if self.rotate_values else None,
+            key_mean=self._mu_k,
+            value_mean=self._mu_v,
+            after=after,
         )
         self._n_comp += 1
-        self._buffers_private = True
         self._ring = Ring(ring_k, ring_v, P + 1)
         return True
 
