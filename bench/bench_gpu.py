@@ -27,7 +27,6 @@ from L2. Usage: python bench/bench_gpu.py [--quick] [--lengths 4096,32768] [--re
 
 import argparse
 import math
-import os
 import statistics
 import time
 
@@ -279,8 +278,8 @@ def main():
 
     if args.no_sweep:
         return
-    # Split-count sweep for the main shape (TURBOQUANT_ATTN_CTAS, set through _ext: the
-    # switches are read once).
+    # Split-count sweep for the main shape (the split heuristic's target, a kernel
+    # override of _ext).
     print("### Split sweep, 32q/8kv d128 K4V4, kernel only (µs, stream)\n")
     targets = (264, 528, 1056, 2112)
     print("| context | " + " | ".join(f"{t} CTAs" for t in targets) + " |")
@@ -288,10 +287,10 @@ def main():
     for n in lengths:
         cells = []
         for t in targets:
-            _ext._set_env_switch("TURBOQUANT_ATTN_CTAS", str(t))
+            _ext._set_kernel_override("ctas", t)
             (_, ts), _ = bench_turboquant(1, 32, 8, 128, n, 4, 4, kernel_only=True)
             cells.append(f"{ts * 1e6:.1f}")
-        _ext._set_env_switch("TURBOQUANT_ATTN_CTAS", os.environ.get("TURBOQUANT_ATTN_CTAS"))
+        _ext._set_kernel_override("ctas", None)
         print(f"| {n // 1024}k | " + " | ".join(cells) + " |")
         mx.clear_cache()
 

@@ -48,6 +48,10 @@ def run_one(a):
     from turboquant_mlx.rotation import Rotation
 
     mx.set_default_device(mx.gpu)
+    if a.kernel:
+        from turboquant_mlx import _ext
+
+        _ext._set_kernel_override("attention", {"simt": "portable"}.get(a.kernel, a.kernel))
     n, d, hq, hkv = a.context, a.head_dim, a.q_heads, a.kv_heads
     scale = 1.0 / math.sqrt(d)
     q = mx.random.normal((1, hq, 1, d)).astype(mx.float16)
@@ -107,8 +111,9 @@ INST = "smsp__inst_executed.sum"  # warp-level instructions issued and executed
 
 def ncu_call_time(args, calls, cache_control="all", kernel=None):
     """(µs per call, {kernel: µs per call}, warp instructions per call) of one `--one`
-    configuration under ncu; `kernel` sets TURBOQUANT_CUDA_ATTENTION (None: the default
-    selection, the tensor-core kernel where it applies)."""
+    configuration under ncu; `kernel` ("simt": the portable kernel, "simd": the
+    simdgroup-matrix kernel on its emulation; None: the default selection, the
+    tensor-core kernel where it applies) is the attention kernel override."""
     cmd = [
         "ncu",
         "--profile-from-start",
@@ -127,12 +132,9 @@ def ncu_call_time(args, calls, cache_control="all", kernel=None):
         "--calls",
         str(calls),
         *args,
+        *(["--kernel", kernel] if kernel else []),
     ]
-    env = dict(os.environ)
-    env.pop("TURBOQUANT_CUDA_ATTENTION", None)
-    if kernel:
-        env["TURBOQUANT_CUDA_ATTENTION"] = kernel
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith('"')]
     if not rows:
         raise RuntimeError(
@@ -239,7 +241,7 @@ def driver(a):
 
 def kernel_table(a, lengths, pairs):
     """Device time and instructions per compressed coordinate of each attention kernel
-    of `--kernels` (TURBOQUANT_CUDA_ATTENTION values), against fp16 SDPA."""
+    of `--kernels`, against fp16 SDPA."""
     kernels = a.kernels.split(",")
     for hq, hkv, d in [(32, 8, 128)] + ([(16, 2, 256)] if a.d256 else []):
         shape = ["--q-heads", str(hq), "--kv-heads", str(hkv), "--head-dim", str(d)]
@@ -297,6 +299,11 @@ def kernel_table(a, lengths, pairs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", choices=("sdpa", "tq"), help="run one configuration (under ncu)")
+    p.add_argument(
+        "--kernel",
+        choices=("simt", "simd"),
+        help="with --one tq: this attention kernel instead of the default selection",
+    )
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -330,8 +337,8 @@ def main():
     p.add_argument(
         "--kernels",
         default="",
-        help="also compare these attention kernels (TURBOQUANT_CUDA_ATTENTION "
-        "values: simt = the portable kernel, simd = the Metal simdgroup-matrix "
+        help="also compare these attention kernels (simt = the portable kernel, "
+        "simd = the Metal simdgroup-matrix "
         "kernel through its CUDA emulation, default = the tensor-core kernel) "
         "by device time and instructions per coordinate",
     )

@@ -8,8 +8,8 @@
 #include <nanobind/stl/vector.h>
 
 #include "buffer_copies.h"
-#include "env.h"
 #include "gpu.h"
+#include "kernel_overrides.h"
 #include "ops.h"
 
 namespace nb = nanobind;
@@ -43,14 +43,68 @@ NB_MODULE(_ext, m) {
       "an attention call that copied codes its kernel cannot read in place. "
       "TURBOQUANT_DEBUG_COPIES=1 prints each one's cause to stderr.");
   m.def(
-      "_set_env_switch",
-      &tq::set_env_switch,
+      "_set_kernel_override",
+      [](const std::string& name, std::optional<std::variant<int, std::string>> value) {
+        std::optional<std::string> text;
+        if (value) {
+          text = std::holds_alternative<int>(*value) ? std::to_string(std::get<int>(*value))
+                                                     : std::get<std::string>(*value);
+        }
+        tq::set_kernel_override(name, text);
+      },
       "name"_a,
       "value"_a.none(),
-      "Sets a TURBOQUANT_* environment switch (None: unset) for the rest of the process, "
-      "as if the environment had held that value when it was first read: the switches "
-      "are read once (docs/ARCHITECTURE.md). For tests and benchmarks.");
-  m.def("gpu_available", &tq::gpu::available, "True when this build carries GPU kernels.");
+      "For tests and benchmarks: forces a GPU kernel choice until set back to None (the "
+      "backend's own). 'attention': 'portable' (the portable kernel where CUDA's "
+      "tensor-core or Metal's simdgroup-matrix kernel would run) or 'simd' (CUDA: the "
+      "simdgroup-matrix kernel on the emulation of simdgroup matrices, float16/bfloat16 "
+      "queries at head dims 64/128/256); 'splits': the split-K count; 'ctas': the "
+      "threadgroups the split heuristic aims at; 'min_steps' (CUDA): least block "
+      "iterations per split. Counts are positive integers.");
+  m.def(
+      "_kernel_overrides",
+      [] {
+        nb::dict d;
+        const auto kernel = tq::attention_kernel_override();
+        d["attention"] = kernel == tq::AttentionKernel::portable ? nb::cast("portable")
+            : kernel == tq::AttentionKernel::simd                ? nb::cast("simd")
+                                                                 : nb::none();
+        auto count = [](int n) { return n > 0 ? nb::cast(n) : nb::none(); };
+        d["splits"] = count(tq::splits_override());
+        d["ctas"] = count(tq::ctas_override());
+        d["min_steps"] = count(tq::min_steps_override());
+        return d;
+      },
+      "The overrides _set_kernel_override set, as a dict (None: the backend's choice).");
+  nb::class_<tq::KernelSupport>(
+      m,
+      "KernelSupport",
+      "Which kernels this build runs on one device (kernel_support). kernels: the "
+      "primitives run as kernels (else the ops take the plain-MLX fallback); write_tokens: "
+      "the in-place token write has one (else slice updates); out_in_query_dtype / "
+      "out_in_any_dtype: attention writes a float16/bfloat16 out itself for queries of "
+      "that dtype / of any dtype; self_check: the kernels run only once the first-use "
+      "self-check passed (selfcheck.py).")
+      .def_ro("kernels", &tq::KernelSupport::kernels)
+      .def_ro("write_tokens", &tq::KernelSupport::write_tokens)
+      .def_ro("out_in_query_dtype", &tq::KernelSupport::out_in_query_dtype)
+      .def_ro("out_in_any_dtype", &tq::KernelSupport::out_in_any_dtype)
+      .def_ro("self_check", &tq::KernelSupport::self_check)
+      .def("__repr__", [](const tq::KernelSupport& k) {
+        auto b = [](bool v) { return v ? std::string("True") : std::string("False"); };
+        return "KernelSupport(kernels=" + b(k.kernels) + ", write_tokens=" + b(k.write_tokens) +
+            ", out_in_query_dtype=" + b(k.out_in_query_dtype) +
+            ", out_in_any_dtype=" + b(k.out_in_any_dtype) + ", self_check=" + b(k.self_check) + ")";
+      });
+  m.def(
+      "kernel_support",
+      [](const mlx::core::Device& device) { return tq::kernel_support(device); },
+      "device"_a,
+      "Which kernels this build runs on `device` (an mx.Device): the one answer the ops ask.");
+  m.def(
+      "gpu_available",
+      [] { return tq::gpu::kernel_support().kernels; },
+      "True when this build carries GPU kernels.");
   m.def(
       "gpu_backend", &tq::gpu::backend_name, "GPU backend compiled in: 'cuda', 'metal' or 'none'.");
   m.def(

@@ -1,18 +1,17 @@
 // Layout: host code, every build (the GPU backends' interface).
 // GPU entry points. Exactly one backend provides them: csrc/cuda/ when MLX has CUDA,
 // csrc/metal/ on macOS, csrc/gpu_none.cpp otherwise (where they throw; the Python
-// layer routes GPU streams to plain-MLX fallbacks when gpu::available() is false).
+// layer routes GPU streams to plain-MLX fallbacks where gpu::kernel_support says the
+// build has no kernels, kernel_support.h).
 #pragma once
 
 #include <vector>
 
+#include "kernel_support.h"
 #include "metal/tq_params.h"
 #include "primitives.h"
 
 namespace turboquant_mlx::gpu {
-
-/// True when this build carries GPU kernels for the default GPU device.
-bool available();
 
 /// Name of the GPU backend compiled in: "cuda", "metal" or "none".
 const char* backend_name();

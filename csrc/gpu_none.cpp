@@ -7,8 +7,8 @@
 
 namespace turboquant_mlx::gpu {
 
-bool available() {
-  return false;
+KernelSupport kernel_support() {
+  return {}; // no kernels: the Python layer takes the fallbacks
 }
 
 const char* backend_name() {

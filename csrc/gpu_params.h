@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "env.h"
+#include "kernel_overrides.h"
 #include "message.h"
 #include "metal/tq_params.h"
 #include "primitives.h"
@@ -94,7 +94,7 @@ struct KeySplits {
 };
 
 /// Splits of `kv_len` keys for `units` of work aiming at `target` threadgroups
-/// (TURBOQUANT_ATTN_SPLITS overrides the count), each split at least `min_split` keys
+/// (splits_override() replaces the count), each split at least `min_split` keys
 /// and a whole number of `step`-key iterations, at most TQ_MAX_SPLITS; the count is
 /// then the fewest splits of that length.
 inline KeySplits key_splits(
@@ -104,7 +104,7 @@ inline KeySplits key_splits(
     int step,
     int min_split,
     SplitRounding rounding) {
-  int splits = env_int("TURBOQUANT_ATTN_SPLITS", 0);
+  int splits = splits_override();
   if (splits <= 0) {
     splits = rounding == SplitRounding::down ? std::max(1, target / units)
                                              : (target + units - 1) / units;

@@ -6,12 +6,17 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "cpu/kernels.h"
 #include "gpu.h"
 #include "message.h"
 #include "metal/tq_params.h"
 #include "primitives.h"
 
 namespace turboquant_mlx {
+
+KernelSupport kernel_support(const mx::Device& device) {
+  return device.type == mx::Device::cpu ? cpu::kernel_support() : gpu::kernel_support();
+}
 
 namespace {
 
@@ -823,11 +828,11 @@ std::vector<mx::array> compressed_attention(
   if (want != mx::float32 && want != mx::float16 && want != mx::bfloat16) {
     fail(op, "out_dtype must be float32, float16 or bfloat16, got ", dtype_str(want), ".");
   }
-  // The CPU eval writes out in any of them; the CUDA merge kernel in float32 or the
-  // queries' type; Metal's in float32. Otherwise a node of its own converts it.
-  static const bool cuda_build = std::string(gpu::backend_name()) == "cuda";
-  const bool on_cpu = stream.device == mx::Device::cpu;
-  const bool direct = on_cpu || want == mx::float32 || (cuda_build && want == inputs[0].dtype());
+  // What the backend's kernels write themselves (kernel_support.h); otherwise a node of
+  // its own converts out.
+  const KernelSupport support = kernel_support(stream.device);
+  const bool direct = want == mx::float32 || support.out_in_any_dtype ||
+      (support.out_in_query_dtype && want == inputs[0].dtype());
   params.out_dtype = direct ? want : mx::float32;
   auto outs = mx::array::make_arrays(
       {{batch, n_q_heads, q_len, head_dim}, {batch, n_q_heads, q_len}},

@@ -3,7 +3,7 @@
 // float16 / bfloat16 queries at head dims 64, 128 and 256 on Metal (Apple GPUs multiply
 // simdgroup_matrix fragments in hardware), written once like the kernels of
 // tq_kernels.h: the CUDA build compiles the same body against the emulation of
-// simdgroup matrices in tq_portable.h (TURBOQUANT_CUDA_ATTENTION=simd), so that it runs
+// simdgroup matrices in tq_portable.h (the tests' AttentionKernel::simd), so that it runs
 // the GPU tests there too.
 //
 // The algorithm is that of the CUDA tensor-core kernel (csrc/cuda/attention_mma.cuh):

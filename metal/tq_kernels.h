@@ -592,11 +592,9 @@ TQ_FN void tq_attention_impl(
 ///   q (B, Hq, L, D) QT [tail or centered]; tail_k / tail_v (B, Hkv, tail_len, D) QT
 ///   [tail_len > 0]; key_mean / value_mean (B, Hkv, D) float [centered]
 /// Grid: rows threadgroups of TQ_MERGE_THREADS; smem: TQ_MERGE_SMEM floats.
-/// COMPACT: fewer loads in flight (4 partials per coordinate, one tail key per group,
-/// 16 tail values staged) and at most TQ_MERGE_COMPACT_SPLITS splits, for a caller with fewer
-/// registers to spare (the CUDA tensor-core kernel's fused merge). OT: out's type (float, or the
-/// queries' type: the layer's output without a conversion of its own).
-template <typename QT, int D, bool COMPACT = false, typename OT = float>
+/// OT: out's type (float, or the queries' type: the layer's output without a conversion
+/// of its own).
+template <typename QT, int D, typename OT = float>
 TQ_FN void tq_attention_merge_impl(
     const TQ_DEV float* TQ_RESTRICT o_part,
     const TQ_DEV float* TQ_RESTRICT ml_part,
@@ -614,16 +612,15 @@ TQ_FN void tq_attention_merge_impl(
   // The merge is a short chain of dependent steps, each of which would wait for global
   // memory: so everything it reads is loaded first, in registers, with one wait.
   //   PRE  partials per coordinate (the rest are read in the value sum)
-  //   MSP  (m, l) pairs per thread: every split (NT * MSP = TQ_MAX_SPLITS, compact:
-  //        TQ_MERGE_COMPACT_SPLITS)
+  //   MSP  (m, l) pairs per thread: every split (NT * MSP = TQ_MAX_SPLITS)
   //   LPT  lanes per tail token in the scores (NG groups); TKP tokens per group
   //   TVP  tail tokens whose values are staged in threadgroup memory
   // (a window preset's 36-token tail fits TKP and TVP; longer tails read the rest later)
-  constexpr int PRE = COMPACT ? 4 : 16, DPT = (D + NT - 1) / NT;
-  constexpr int MSP = (COMPACT ? TQ_MERGE_COMPACT_SPLITS : TQ_MAX_SPLITS) / NT;
+  constexpr int PRE = 16, DPT = (D + NT - 1) / NT;
+  constexpr int MSP = TQ_MAX_SPLITS / NT;
   constexpr int LPT = 8, TPS = TQ_SIMD / LPT, NG = NSG * TPS, KPL = D / LPT;
-  constexpr int TKP = D <= 128 && !COMPACT ? 3 : 1;
-  constexpr int TVP_MAX = COMPACT ? 16 : 40;
+  constexpr int TKP = D <= 128 ? 3 : 1;
+  constexpr int TVP_MAX = 40;
   constexpr int TVP = TQ_MERGE_TAIL_VALUES / D < TVP_MAX ? TQ_MERGE_TAIL_VALUES / D : TVP_MAX;
   const int row = int(th.tg_x);
   const int S = p.n_splits, T = p.tail_len;

@@ -30,9 +30,6 @@
 /// Most key splits one attention call uses (the merge keeps one weight per split in
 /// threadgroup memory).
 #define TQ_MAX_SPLITS 1024
-/// Most key splits the compact merge (tq_attention_merge_impl's COMPACT, held in fewer
-/// registers) takes.
-#define TQ_MERGE_COMPACT_SPLITS 256
 /// Most tail tokens (uncompressed keys/values every query sees, e.g. fp16 sinks and the
 /// recent window) one attention call takes; the merge keeps their weights in
 /// threadgroup memory.

@@ -248,9 +248,8 @@ TQ_FN void tq_threadgroup_barrier() {
 TQ_FN void tq_simdgroup_barrier() {
   __syncwarp();
 }
-/// A split-K partial result: from L2 (ld.global.cg), never through the read-only or L1
-/// caches, so that a block of the attention kernel that merges its splits (the
-/// tensor-core kernel's fused merge) sees what the other blocks wrote.
+/// A split-K partial result, read once by the merge: from L2 (ld.global.cg), not
+/// through the read-only or L1 caches.
 TQ_FN float tq_load_partial(const TQ_DEV float* p) {
   return __ldcg(p);
 }

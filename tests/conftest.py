@@ -88,21 +88,18 @@ def _default_device(request):
 
 
 @pytest.fixture
-def env_switch(monkeypatch):
-    """``env_switch(name, value)`` sets a TURBOQUANT_* switch for one test. The C++ code
-    reads each switch once (csrc/env.h), so a change of the environment alone would go
-    unseen: the switch is set through ``_ext._set_env_switch`` too (and in the
-    environment, for Python code that reads it there), and goes back to the
-    environment's value when the test ends."""
+def kernel_override():
+    """``kernel_override(name, value)`` forces a GPU kernel choice for one test
+    (``_ext._set_kernel_override``: "attention", "splits", "ctas", "min_steps"); each
+    goes back to what it was when the test ends."""
     from turboquant_mlx import _ext
 
     saved = {}
 
-    def set_switch(name, value):
-        saved.setdefault(name, os.environ.get(name))
-        monkeypatch.setenv(name, value)
-        _ext._set_env_switch(name, value)
+    def set_override(name, value):
+        saved.setdefault(name, _ext._kernel_overrides()[name])
+        _ext._set_kernel_override(name, value)
 
-    yield set_switch
+    yield set_override
     for name, value in saved.items():
-        _ext._set_env_switch(name, value)
+        _ext._set_kernel_override(name, value)

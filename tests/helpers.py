@@ -7,8 +7,6 @@ Everything that defines an expected value here goes through ``reference.py`` (Nu
 never through the ops under test.
 """
 
-import os
-
 import mlx.core as mx
 import numpy as np
 
@@ -157,9 +155,9 @@ def assert_op_error(excinfo, op, *needles):
 # value bits) on tensor cores: float16 queries and centroids, float16 probabilities,
 # float32 accumulation. Its error against the float64 reference is that of half-precision
 # products (~1e-3 of max |v|), the precision class of MLX's float16 SDPA;
-# TURBOQUANT_CUDA_ATTENTION=simt selects the exact kernel for them. The simdgroup-matrix
-# kernel (metal/tq_attention_simd.h: Metal's path for those queries and head dims, any
-# bit widths; on CUDA with TURBOQUANT_CUDA_ATTENTION=simd) is of the same class.
+# the "attention" kernel override "portable" selects the exact kernel for them. The
+# simdgroup-matrix kernel (metal/tq_attention_simd.h: Metal's path for those queries and
+# head dims, any bit widths; on CUDA with the override "simd") is of the same class.
 TENSOR_CORE_RTOL = 4e-3
 
 
@@ -173,15 +171,15 @@ def tensor_core_path(q_dtype, head_dim, key_bits, value_bits, device=None):
         and q_dtype in (mx.float16, mx.bfloat16)
         and head_dim in (64, 128, 256)
         and key_bits >= value_bits
-        and os.environ.get("TURBOQUANT_CUDA_ATTENTION") not in ("simt", "simd")
+        and _ext._kernel_overrides()["attention"] is None
     )
 
 
 def simd_path(q_dtype, head_dim, device=None):
     """Whether compressed_attention on ``device`` (default: MLX's default device) runs the
     simdgroup-matrix kernel: Metal's default for float16 / bfloat16 queries at head dims
-    64, 128, 256 (TURBOQUANT_METAL_ATTENTION=portable turns it off), CUDA's with
-    TURBOQUANT_CUDA_ATTENTION=simd."""
+    64, 128, 256 (the "attention" kernel override "portable" turns it off), CUDA's with
+    the override "simd"."""
     device = mx.default_device() if device is None else device
     if (
         device != mx.gpu
@@ -189,10 +187,10 @@ def simd_path(q_dtype, head_dim, device=None):
         or head_dim not in (64, 128, 256)
     ):
         return False
-    backend = _ext.gpu_backend()
+    backend, kernel = _ext.gpu_backend(), _ext._kernel_overrides()["attention"]
     if backend == "metal":
-        return os.environ.get("TURBOQUANT_METAL_ATTENTION") != "portable"
-    return backend == "cuda" and os.environ.get("TURBOQUANT_CUDA_ATTENTION") == "simd"
+        return kernel != "portable"
+    return backend == "cuda" and kernel == "simd"
 
 
 def attention_rtol(q_dtype, head_dim, key_bits, value_bits, exact=1e-5, device=None):

@@ -13,7 +13,8 @@ that take the single-pass and the split-K paths.
 
 The simdgroup-matrix kernel (metal/tq_attention_simd.h) is Metal's path for float16 /
 bfloat16 queries at head dims 64, 128, 256; the CUDA build runs the same kernel body on
-its emulation of simdgroup matrices with TURBOQUANT_CUDA_ATTENTION=simd. Tests
+its emulation of simdgroup matrices when a test asks for it (the "attention" kernel
+override of ``_ext._set_kernel_override``). Tests
 parametrized over ``kernel`` run their cases on it ("simd": the float32 cases with
 float16 / bfloat16 queries instead), on the portable kernel ("simt") and on the build's
 default choice.
@@ -53,16 +54,14 @@ def gpu():
     return mx.Device(mx.gpu)
 
 
-def select_kernel(env_switch, kernel):
+def select_kernel(kernel_override, kernel):
     """Selects the attention kernel of the ``kernel`` parameter: "simd" the
-    simdgroup-matrix kernel (CUDA: TURBOQUANT_CUDA_ATTENTION=simd; Metal's default),
-    "simt" the portable one (CUDA: TURBOQUANT_CUDA_ATTENTION=simt, Metal:
-    TURBOQUANT_METAL_ATTENTION=portable), "default" the build's own choice."""
+    simdgroup-matrix kernel (CUDA: on its emulation; Metal's default), "simt" the
+    portable one, "default" the build's own choice."""
     if kernel == "simd":
-        env_switch("TURBOQUANT_CUDA_ATTENTION", "simd")
+        kernel_override("attention", "simd")
     elif kernel == "simt":
-        env_switch("TURBOQUANT_CUDA_ATTENTION", "simt")
-        env_switch("TURBOQUANT_METAL_ATTENTION", "portable")
+        kernel_override("attention", "portable")
 
 
 def query_dtype(kernel, case):
@@ -635,8 +634,8 @@ def assert_attention_close(out, lse, ref_out, ref_lse, v_hat, rtol=1e-5):
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("group", (1, 4, 8))
 @pytest.mark.parametrize("kv_len", (1, 17, 127, 4097, 70000))
-def test_attention_lengths_and_gqa(env_switch, kv_len, group, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_lengths_and_gqa(kernel_override, kv_len, group, kernel):
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(kv_len + group)
     for q_len in sorted({1, min(kv_len, 3), min(kv_len, 8)}):
         q_dtype = query_dtype(kernel, q_len)
@@ -655,8 +654,10 @@ def test_attention_lengths_and_gqa(env_switch, kv_len, group, kernel):
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("key_bits,value_bits", BIT_PAIRS)
-def test_attention_bit_widths_and_head_dims(env_switch, key_bits, value_bits, head_dim, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_bit_widths_and_head_dims(
+    kernel_override, key_bits, value_bits, head_dim, kernel
+):
+    select_kernel(kernel_override, kernel)
     case = BIT_PAIRS.index((key_bits, value_bits)) * len(HEAD_DIMS) + HEAD_DIMS.index(head_dim)
     rng = np.random.default_rng(case)
     q_dtype = query_dtype(kernel, case)
@@ -678,8 +679,8 @@ def test_attention_bit_widths_and_head_dims(env_switch, key_bits, value_bits, he
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("q_len", range(1, 9))
-def test_attention_causal_q_len(env_switch, q_len, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_causal_q_len(kernel_override, q_len, kernel):
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(50 + q_len)
     q_dtype = query_dtype(kernel, q_len)
     for kv_len in (q_len, 33, 2049):
@@ -703,8 +704,8 @@ MASKS = (
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
-def test_attention_masks(env_switch, mask, causal, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_masks(kernel_override, mask, causal, kernel):
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(hash(mask) % 1000 + causal)
     q_dtype = query_dtype(kernel, MASKS.index(mask) + causal)
     for kv_len in (40, 3001):
@@ -722,8 +723,8 @@ def test_attention_masks(env_switch, mask, causal, kernel):
 
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
-def test_attention_fully_masked_rows(env_switch, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_fully_masked_rows(kernel_override, kernel):
+    select_kernel(kernel_override, kernel)
     q_dtype = query_dtype(kernel, 0)
     rng = np.random.default_rng(9)
     batch, kv_heads, group, q_len, kv_len, head_dim = 2, 2, 4, 3, 2500, 64
@@ -766,8 +767,8 @@ def rtol_for(q_dtype, head_dim, key_bits, value_bits, exact=1e-5):
 
 @pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_attention_query_dtypes(env_switch, q_dtype, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_query_dtypes(kernel_override, q_dtype, kernel):
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(11)
     for kv_len in (50, 5000):
         result = run_attention(rng, q_len=4, kv_len=kv_len, q_dtype=q_dtype, group=8)
@@ -789,8 +790,8 @@ HALF_CASES = (
 @pytest.mark.parametrize(
     "key_bits,value_bits", ((4, 4), (4, 3), (4, 2), (3, 3), (3, 2), (2, 2), (3, 4))
 )
-def test_attention_half_queries(env_switch, head_dim, key_bits, value_bits, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_half_queries(kernel_override, head_dim, key_bits, value_bits, kernel):
+    select_kernel(kernel_override, kernel)
     case = head_dim + 10 * key_bits + value_bits
     rng = np.random.default_rng(case)
     for i, (kv_len, group, q_len, causal) in enumerate(HALF_CASES):
@@ -813,10 +814,12 @@ def test_attention_half_queries(env_switch, head_dim, key_bits, value_bits, kern
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim,key_bits,value_bits", ((128, 4, 4), (64, 3, 2), (256, 4, 3)))
-def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, value_bits, kernel):
+def test_attention_half_queries_gapped_cache(
+    kernel_override, head_dim, key_bits, value_bits, kernel
+):
     # Cache views whose tokens are not adjacent in memory: the tensor-core kernel reads
     # dense rows, so the op hands it dense copies.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(head_dim + key_bits)
     for kv_len, group in ((40, 4), (1500, 8)):
         result = run_attention(
@@ -835,11 +838,11 @@ def test_attention_half_queries_gapped_cache(env_switch, head_dim, key_bits, val
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.parametrize("scale_offset", (1, 3, 8))
-def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_offset, kernel):
+def test_attention_half_queries_unaligned_scales(kernel_override, head_dim, scale_offset, kernel):
     # K4V4's tensor-core kernel copies scales in 16-byte chunks from the boundary below
     # each iteration's first one: scale rows at any 2-byte offset, lengths that end
     # mid-chunk and mid-tile, one or several splits.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(head_dim + scale_offset)
     for kv_len, group in ((5, 4), (40, 4), (1500, 8), (4103, 4)):
         result = run_attention(
@@ -856,10 +859,10 @@ def test_attention_half_queries_unaligned_scales(env_switch, head_dim, scale_off
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("q_offset", (1, 4))
-def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kernel):
+def test_attention_half_queries_unaligned_query_rows(kernel_override, q_offset, kernel):
     # The tensor-core kernel reads query rows in 16-byte loads; rows that do not start
     # on a 16-byte boundary are copied first.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(40 + q_offset)
     for q_dtype in (mx.float16, mx.bfloat16):
         result = run_attention(
@@ -875,16 +878,13 @@ def test_attention_half_queries_unaligned_query_rows(env_switch, q_offset, kerne
 
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
-@pytest.mark.parametrize("fused", ("0", "1"))
 @pytest.mark.parametrize("splits", ("3", "36"))
-def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, splits, kernel):
-    # TURBOQUANT_FUSED_MERGE=1: with 4-bit keys the tensor-core kernel's last block per
-    # (batch, KV head, rows) merges the splits; 0 (the default) launches the merge kernel
-    # after it. The tail goes through both.
-    select_kernel(env_switch, kernel)
-    env_switch("TURBOQUANT_FUSED_MERGE", fused)
-    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
-    rng = np.random.default_rng(7 + int(splits) + 1000 * int(fused))
+def test_attention_half_queries_merge_with_tail(kernel_override, splits, kernel):
+    # 4-bit keys split over the tensor-core kernel's blocks, merged by the merge kernel
+    # launched after it, which attends to the tail too.
+    select_kernel(kernel_override, kernel)
+    kernel_override("splits", splits)
+    rng = np.random.default_rng(7 + int(splits))
     for head_dim, q_dtype, tail in (
         (128, mx.float16, 0),
         (64, mx.bfloat16, 36),
@@ -905,8 +905,8 @@ def test_attention_half_queries_merge_in_kernel_or_apart(env_switch, fused, spli
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("mask", MASKS, ids=[":".join(m) for m in MASKS])
-def test_attention_half_queries_masks(env_switch, mask, kernel):
-    select_kernel(env_switch, kernel)
+def test_attention_half_queries_masks(kernel_override, mask, kernel):
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(hash(mask) % 1000)
     for kv_len, head_dim in ((40, 64), (3001, 128)):
         result = run_attention(
@@ -924,9 +924,9 @@ def test_attention_half_queries_masks(env_switch, mask, kernel):
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_half_queries_forced_splits(env_switch, splits, kernel):
-    select_kernel(env_switch, kernel)
-    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
+def test_attention_half_queries_forced_splits(kernel_override, splits, kernel):
+    select_kernel(kernel_override, kernel)
+    kernel_override("splits", splits)
     rng = np.random.default_rng(100 + int(splits))
     for kv_len in (1, 130, 9000):
         q_len = min(kv_len, 2)
@@ -935,10 +935,10 @@ def test_attention_half_queries_forced_splits(env_switch, splits, kernel):
 
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
-def test_attention_half_queries_large_magnitude(env_switch, kernel):
+def test_attention_half_queries_large_magnitude(kernel_override, kernel):
     # bfloat16 queries beyond float16's range: the tensor-core kernel scales them down
     # by a power of two and the scores back up.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     rng = np.random.default_rng(77)
     k_words, k_scales, k_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
     v_words, v_scales, v_hat = reference_cache(rng, 1, 2, 64, 64, 128, 4)
@@ -968,10 +968,10 @@ def test_attention_half_queries_large_magnitude(env_switch, kernel):
 
 @pytest.mark.parametrize("kernel", ("default", "simd"))
 @pytest.mark.parametrize("splits", ("1", "3", "64"))
-def test_attention_forced_split_counts(env_switch, splits, kernel):
+def test_attention_forced_split_counts(kernel_override, splits, kernel):
     # The split count is a tuning choice; every choice must give the same result.
-    select_kernel(env_switch, kernel)
-    env_switch("TURBOQUANT_ATTN_SPLITS", splits)
+    select_kernel(kernel_override, kernel)
+    kernel_override("splits", splits)
     rng = np.random.default_rng(int(splits))
     q_dtype = query_dtype(kernel, int(splits))
     for kv_len in (1, 130, 9000):
@@ -983,11 +983,11 @@ def test_attention_forced_split_counts(env_switch, splits, kernel):
 @pytest.mark.parametrize("splits", ("auto", "1", "3"))
 @pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
+def test_attention_with_tail(kernel_override, q_dtype, kernel, splits):
     # The tail joins the split-K merge; one split must still write partials for it.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     if splits != "auto":
-        env_switch("TURBOQUANT_ATTN_SPLITS", splits)
+        kernel_override("splits", splits)
     rng = np.random.default_rng(7 + len(splits))
     for kv_len, head_dim, tail, q_len, causal in (
         (17, 64, 1, 1, True),
@@ -1012,14 +1012,14 @@ def test_attention_with_tail(env_switch, q_dtype, kernel, splits):
 @pytest.mark.parametrize("kernel", ("default", "simt", "simd"))
 @pytest.mark.parametrize("q_dtype", (mx.float32, mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_attention_model_space_queries(env_switch, head_dim, q_dtype, kernel, splits):
+def test_attention_model_space_queries(kernel_override, head_dim, q_dtype, kernel, splits):
     # rotation_signs: the kernels rotate the queries (the tensor-core kernel in its
     # query fragments, the portable one in its registers) and the merge rotates the
     # compressed tokens' output back, also with a single split; the tail is in model
     # space and joins after. Centered: the merge adds the means back.
-    select_kernel(env_switch, kernel)
+    select_kernel(kernel_override, kernel)
     if splits != "auto":
-        env_switch("TURBOQUANT_ATTN_SPLITS", splits)
+        kernel_override("splits", splits)
     rng = np.random.default_rng(head_dim + 7)
     rtol = rtol_for(q_dtype, head_dim, 4, 4)
     if q_dtype == mx.bfloat16:

@@ -345,7 +345,7 @@ def test_write_tokens_in_place(dtype):
     # the other slots keep their values; x may be strided.
     from turboquant_mlx import _ext
 
-    if mx.default_device() == mx.gpu and _ext.gpu_backend() != "cuda":
+    if not _ext.kernel_support(mx.default_device()).write_tokens:
         pytest.skip("write_tokens has CPU and CUDA kernels")
     rng = np.random.default_rng(5)
     base = rng.standard_normal((2, 3, 12, 64)).astype(np.float32)
@@ -1242,7 +1242,8 @@ def test_attention_out_dtype_is_the_float32_out_rounded(dtype, model_space, tmp_
     out32, lse32 = ops.compressed_attention(*args, **kw)
     out, lse = ops.compressed_attention(*args, out_dtype=dtype, **kw)
     assert out.dtype == dtype and lse.dtype == mx.float32
-    if mx.default_device() == mx.cpu or _ext.gpu_backend() == "cuda":
+    support = _ext.kernel_support(mx.default_device())
+    if support.out_in_any_dtype or (support.out_in_query_dtype and q.dtype == dtype):
         # written by the op's own node, no conversion after it
         assert graph_nodes(tmp_path / "g.dot", out)[-1] == "CompressedAttention"
     want = np.array(out32.astype(dtype).astype(mx.float32))
@@ -1830,3 +1831,44 @@ def test_ops_refuse_a_stream_of_another_type(op):
     with pytest.raises(TypeError) as excinfo:
         calls[op]()
     assert_op_error(excinfo, op, "stream must be", "'cpu'")
+
+
+def test_kernel_support_is_the_answer_the_ops_take():
+    # Which kernels run where is answered once per backend (_ext.kernel_support), and
+    # the ops route by it: the CPU has every kernel; a GPU has the build's.
+    from turboquant_mlx import _ext
+
+    cpu = _ext.kernel_support(mx.Device(mx.cpu))
+    assert cpu.kernels and cpu.write_tokens and cpu.out_in_any_dtype and cpu.out_in_query_dtype
+    assert not cpu.self_check
+    assert ops.has_kernels(mx.cpu) and ops.has_ring_append(mx.cpu)
+    gpu = _ext.kernel_support(mx.Device(mx.gpu))
+    backend = _ext.gpu_backend()
+    assert gpu.kernels == _ext.gpu_available()
+    assert gpu.kernels or backend != "metal"
+    assert not gpu.kernels or backend != "none"
+    assert gpu.self_check == (backend == "metal")
+    assert gpu.write_tokens == gpu.out_in_query_dtype == (backend == "cuda" and gpu.kernels)
+    assert not gpu.out_in_any_dtype
+    if not gpu.self_check:
+        assert ops.has_kernels(mx.gpu) == gpu.kernels
+
+
+def test_kernel_overrides_are_read_back_and_refuse_bad_values(kernel_override):
+    from turboquant_mlx import _ext
+
+    kernel_override("attention", "portable")
+    kernel_override("splits", 3)
+    kernel_override("ctas", "64")
+    want = {"attention": "portable", "splits": 3, "ctas": 64, "min_steps": None}
+    assert _ext._kernel_overrides() == want
+    for name, value in (
+        ("splits", 0),
+        ("splits", "3x"),
+        ("min_steps", -1),
+        ("attention", "simt"),
+        ("tiles", 2),
+    ):
+        with pytest.raises(ValueError, match=r"^\[turboquant_mlx\._set_kernel_override\] "):
+            _ext._set_kernel_override(name, value)
+    assert _ext._kernel_overrides() == want  # a refused value changes nothing

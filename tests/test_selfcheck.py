@@ -5,8 +5,7 @@
 ``check_kernels`` runs on the CPU against itself (the case is valid) and against
 extension modules that perturb one op on the "device" stream (a second CPU stream here),
 which it must name. The process-wide decision runs with the build's backend faked as
-Metal (``_ext.gpu_backend``, ``ops._METAL_BUILD``, ``ops._gpu_kernels``) and MLX's GPU
-device type, which a CPU-only MLX can name but not run: it must warn once, route the ops
+Metal (``_ext.kernel_support`` of the GPU, ``ops._support``) and MLX's GPU device type, which a CPU-only MLX can name but not run: it must warn once, route the ops
 to the fallback from then on, and obey TURBOQUANT_METAL_KERNELS.
 """
 
@@ -166,14 +165,32 @@ def test_scales_one_ulp_apart_pass(device_stream):
 # The decision
 
 
+def fake_gpu_support(monkeypatch, self_check):
+    """``_ext.kernel_support`` with the GPU's answer faked as a build whose GPU kernels
+    run after the self-check (Metal's) or without it (``self_check`` False: CUDA's); the
+    CPU's stays the build's."""
+    real = _ext.kernel_support
+
+    class Fake:
+        kernels = write_tokens = True
+        out_in_query_dtype = out_in_any_dtype = False
+
+    Fake.self_check = self_check
+    Fake.write_tokens = not self_check
+
+    def kernel_support(device):
+        return real(device) if device.type == mx.cpu else Fake()
+
+    monkeypatch.setattr(_ext, "kernel_support", kernel_support)
+    monkeypatch.setattr(ops, "_support", {})
+
+
 @pytest.fixture
 def metal(monkeypatch):
     """The build's backend faked as Metal with GPU kernels, nothing decided yet, the
     switch unset; ``metal.checks`` records the (ext, stream) of each check, which
     returns ``metal.result`` (or raises it, an exception)."""
-    monkeypatch.setattr(_ext, "gpu_backend", lambda: "metal")
-    monkeypatch.setattr(ops, "_METAL_BUILD", True)
-    monkeypatch.setattr(ops, "_gpu_kernels", True)
+    fake_gpu_support(monkeypatch, self_check=True)
     monkeypatch.setattr(selfcheck, "_usable", None)
     monkeypatch.delenv(ENV_VAR, raising=False)
 
@@ -272,7 +289,7 @@ def test_a_passed_check_keeps_the_kernels(metal):
 def test_the_real_check_on_a_device_that_cannot_run(monkeypatch):
     # The real check with this build's extension on MLX's GPU device, which the CPU
     # build cannot run: the device run raises, which is a failure, named by its op.
-    monkeypatch.setattr(_ext, "gpu_backend", lambda: "metal")
+    fake_gpu_support(monkeypatch, self_check=True)
     monkeypatch.setattr(selfcheck, "_usable", None)
     monkeypatch.delenv(ENV_VAR, raising=False)
     if mx.is_available(mx.gpu):
@@ -286,7 +303,7 @@ def test_only_metal_gpus_are_checked(metal, monkeypatch):
     with no_warnings():
         assert selfcheck.metal_kernels_usable(mx.cpu)
         assert selfcheck.metal_kernels_usable(mx.Device(mx.cpu))
-        monkeypatch.setattr(_ext, "gpu_backend", lambda: "cuda")
+        fake_gpu_support(monkeypatch, self_check=False)
         assert selfcheck.metal_kernels_usable(mx.gpu)
     assert metal.checks == [] and selfcheck._usable is None
 

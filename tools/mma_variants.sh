@@ -5,10 +5,9 @@
 # (tests/test_gpu.py, half-precision query tests) and times it with bench/kernel_time.py.
 #   bash tools/mma_variants.sh "TQ_MMA_TILES=1;TQ_MMA_WARPS_4BIT=12" "TQ_MMA_TILES=2;TQ_MMA_WARPS_4BIT=8"
 # TQ_VARIANT_ARGS: kernel_time.py arguments (default: K4V4 at 4k, 128k, 256k).
-# TQ_VARIANT_TESTS=0: no tests (TQ_MMA_PROBE builds compute wrong results by design).
+# TQ_VARIANT_TESTS=0: no tests.
 # Knobs: TQ_MMA_TILES, TQ_MMA_WARPS_4BIT, TQ_MMA_CHAINS_4BIT, TQ_MMA_STAGES,
-# TQ_MMA_PIPELINE, TQ_MMA_PROBE
-# (attention_mma.cuh).
+# TQ_MMA_PIPELINE (attention_mma.cuh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tq_out}"

@@ -6,9 +6,17 @@
 #include <memory>
 #include <vector>
 
+#include "kernel_support.h"
 #include "primitives.h"
 
 namespace turboquant_mlx::cpu {
+
+/// Every primitive has a CPU kernel; out is written in any dtype.
+inline KernelSupport kernel_support() {
+  KernelSupport k;
+  k.kernels = k.write_tokens = k.out_in_query_dtype = k.out_in_any_dtype = true;
+  return k;
+}
 
 /// Counts the tasks of a node that completed, for a later task of the node that must
 /// not run after a failed one (RingAppend's write after its append).

@@ -3,7 +3,7 @@
 // float16 inputs, float32 accumulation): the CUDA fast path for float16 / bfloat16
 // queries and head dims 64, 128, 256. Same contract, grid and split-K partials as
 // tq_attention_impl (metal/tq_kernels.h), which stays the exact path (float32 queries,
-// other head dims, TURBOQUANT_CUDA_ATTENTION=simt) and the one the Metal build runs.
+// other head dims, or asked for by the tests) and the one the Metal build runs.
 //
 // Why tensor cores: decoding on CUDA cores spends ~8 FMAs per cached coordinate (GQA
 // rows x keys and values) plus the code extraction, which made the SIMT kernel
@@ -41,7 +41,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include <cstdio> // (TQ_MMA_PROBE=3 prints)
 #include <type_traits>
 
 #include "tq_kernels.h" // tq_mask_score, tq_neg_inf, TQAttnParams
@@ -58,14 +57,6 @@
 // independent score mma chains, K4V4 at head dims <= 128, one row block (divides D / 16;
 // H200, 128k-256k keys, device time: 4 chains 2% faster than 2)
 #define TQ_MMA_CHAINS_4BIT 4
-#endif
-#ifndef TQ_MMA_PROBE
-// Measurement builds only: 1 = decode the warp's first tile over and over (reloaded from
-// the same addresses, L1 hits: the kernel's compute time), 2 = load every tile but skip
-// the decode (its memory time with the same access pattern); both compute wrong results.
-// 3 = correct results, and each block's thread 0 prints when it reached the phases of
-// the kernel (%globaltimer, ns; tools/mma_timeline.py reads them).
-#define TQ_MMA_PROBE 0
 #endif
 #ifndef TQ_MMA_STAGES
 // Warp iterations of codes and scales staged in shared memory by cp.async per warp
@@ -143,7 +134,7 @@ struct TQMmaConfig {
   static constexpr bool STAGED = TQ_MMA_STAGES >= 2 && KB == 4 && VB == 4 && D <= 128;
   static constexpr int STAGES = STAGED ? TQ_MMA_STAGES : 0;
   // one tile's values overlapped with the next tile's scores (see the kernel's loop)
-  static constexpr bool PIPELINED = STAGED && MT == 1 && TQ_MMA_PIPELINE && TQ_MMA_PROBE == 0;
+  static constexpr bool PIPELINED = STAGED && MT == 1 && TQ_MMA_PIPELINE;
   static constexpr int SCH = 2 * MT + 1;
   static constexpr int ST_V = TILE * KTOK; // stage offsets: keys at 0, then values,
   static constexpr int ST_KS = ST_V + TILE * VTOK; // key scales,
@@ -168,15 +159,7 @@ struct TQMmaConfig {
   __host__ __device__ static constexpr int merge_slot(int nb, int e, int mb, int lane) {
     return ((nb * 2 + e) * KBLK + mb) * MERGE_GROUP + 2 * lane;
   }
-  // The split-K merge in the kernel (4-bit keys: these blocks have the shared memory for
-  // it): the last block of a (batch, KV head, row chunk) to finish merges its splits,
-  // MERGE_GROUPS rows at a time, one group of TQ_MERGE_THREADS threads per row.
-  static constexpr bool FUSED_MERGE = BYTE_ADDR;
-  static constexpr int MERGE_GROUPS = THREADS / TQ_MERGE_THREADS;
-  static_assert(!FUSED_MERGE || THREADS % TQ_MERGE_THREADS == 0, "whole merge groups");
-  static constexpr int FUSED_SMEM = FUSED_MERGE ? MERGE_GROUPS * TQ_MERGE_SMEM * 4 : 0;
-  static constexpr int SMEM_A = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
-  static constexpr int SMEM = SMEM_A > FUSED_SMEM ? SMEM_A : FUSED_SMEM;
+  static constexpr int SMEM = LOOP_SMEM > MERGE_SMEM ? LOOP_SMEM : MERGE_SMEM;
 };
 
 __device__ __forceinline__ void tq_mma_16816(
@@ -594,17 +577,6 @@ __device__ __forceinline__ uint32_t tq_pair(uint32_t tab, uint32_t idx) {
   return tq_lds(tab + idx * STRIDE);
 }
 
-#if TQ_MMA_PROBE == 3
-__device__ __forceinline__ unsigned long long tq_globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#define TQ_MMA_MARK(i) tq_cy[i] = clock64()
-#else
-#define TQ_MMA_MARK(i)
-#endif
-
 /// Fills a pair table at shared pointer `tab` (entries STRIDE bytes apart, 32 lane
 /// columns of 4 bytes each): entry e = float16 pair (cent[e % 2^B], cent[e / 2^B]), where
 /// `mine` is lane l's cent[l % 2^B].
@@ -939,24 +911,11 @@ __global__ void __launch_bounds__(
         float* __restrict__ o_part,
         float* __restrict__ ml_part,
         const __grid_constant__ TQAttnParams p,
-        int q_bf16,
-        unsigned int* __restrict__ merge_count,
-        const void* __restrict__ tail_k,
-        const void* __restrict__ tail_v,
-        const float* __restrict__ key_mean,
-        const float* __restrict__ value_mean,
-        const __grid_constant__ TQMergeParams mp) {
+        int q_bf16) {
   typedef TQMmaConfig<D, KB, VB, NRB> C;
   constexpr int KBLK = C::KBLK, ROWS = C::ROWS;
   extern __shared__ __align__(16) unsigned char tq_mma_smem[];
 
-#if TQ_MMA_PROBE == 3
-  // the SM's clock at the phases of the kernel (TQ_MMA_MARK), %globaltimer (ns) at its
-  // entry and end
-  long long tq_cy[12] = {};
-  const unsigned long long tq_gt0 = tq_globaltimer();
-#endif
-  TQ_MMA_MARK(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, cc = lane & 3;
   const int chunk = blockIdx.x, split = blockIdx.y;
@@ -968,8 +927,6 @@ __global__ void __launch_bounds__(
   const uint32_t tab_off = (C::TAB_ALIGN - (smem_addr & (C::TAB_ALIGN - 1))) & (C::TAB_ALIGN - 1);
   unsigned char* tabs = tq_mma_smem + tab_off;
   __half* ptile = reinterpret_cast<__half*>(tabs + C::KTAB + C::VTAB) + warp * (C::PTILE / 2);
-
-  TQ_MMA_MARK(1); // indices
 
   // ---- every global load of the set-up first, so that their latencies overlap: the
   // lane's centroids (lanes past a codebook repeat it), its quarter of each query row
@@ -1014,7 +971,6 @@ __global__ void __launch_bounds__(
   const int t_begin = split * p.split_len;
   const int t_end = min(p.kv_len, t_begin + p.split_len);
   int t0 = t_begin + warp * C::TILE;
-  [[maybe_unused]] const int t_first = t0;
   // This warp's ring (staged shapes): in the gap below the tables while it has room,
   // else after the P tiles (see TQMmaConfig::LOOP_SMEM).
   const int in_gap = C::STAGED ? min(C::WARPS, int(tab_off) / max(C::RING, 1)) : 0;
@@ -1041,23 +997,15 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int i = 0; i < (C::PIPELINED ? C::STAGES : C::STAGES - 1); ++i) {
       tq_mma_stage_copy<D, KB, VB, NRB>(
-          ring + i * C::STAGE_BYTES,
-          c,
-          sl,
-          TQ_MMA_PROBE == 1 ? t_first : t0 + i * C::STEP,
-          t_end,
-          lane);
+          ring + i * C::STAGE_BYTES, c, sl, t0 + i * C::STEP, t_end, lane);
     }
   }
 
-  TQ_MMA_MARK(2); // first copies issued
   // ---- pair tables: entry e = (centroid[e & mask], centroid[e >> bits]), one column
   // per lane, gathered from the lanes' centroids by shuffles; a warp writes four entries
   // per 16-byte store, eight lanes per entry.
   tq_mma_pair_table<KB, C::KSTRIDE>(tabs, k_mine, warp, lane, C::WARPS);
-  TQ_MMA_MARK(3); // key table
   tq_mma_pair_table<VB, C::VSTRIDE>(tabs + C::VOFF, v_mine, warp, lane, C::WARPS);
-  TQ_MMA_MARK(4); // value table
 
   // ---- query fragments: row nb*8 + g, permuted dims (see the file comment), scaled by
   // scale * log2(e) and, against float16 overflow, by 2^-qexp (restored on the scores).
@@ -1136,7 +1084,6 @@ __global__ void __launch_bounds__(
       *reinterpret_cast<float*>(q_share + QCH * 32) = sup;
     }
   }
-  TQ_MMA_MARK(5); // queries loaded
   int lim_min = p.kv_len;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -1159,7 +1106,6 @@ __global__ void __launch_bounds__(
     }
   }
 
-  TQ_MMA_MARK(6); // query fragments ready
   const int t_fast = min(t_end, lim_min + 1);
   const uint32_t lane_base = smem_addr + tab_off + 4u * uint32_t(lane);
   // The query fragments and their scale, which warp 0 left in shared memory (called by
@@ -1178,22 +1124,7 @@ __global__ void __launch_bounds__(
       sup = *reinterpret_cast<const float*>(q_share + QCH * 32);
     }
   };
-#if TQ_MMA_PROBE == 2
-  uint32_t sink = 0;
-#endif
   auto run = [&](const TQMmaTile<D, KB, VB, NRB>& tl, int t) {
-#if TQ_MMA_PROBE == 2
-    for (int m = 0; m < C::MT; ++m) {
-      for (int i = 0; i < C::KW; ++i)
-        sink ^= tl.k[m][0][i] ^ tl.k[m][1][i];
-      for (int i = 0; i < C::VW; ++i)
-        sink ^= tl.v[m][0][i] ^ tl.v[m][1][i] ^ tl.v[m][2][i] ^ tl.v[m][3][i];
-      sink ^= __float_as_uint(
-          __half2float(tl.ks[m][0]) + __half2float(tl.ks[m][1]) + __half2float(tl.vs[m][0]) +
-          __half2float(tl.vs[m][1]));
-    }
-    return;
-#endif
     if (p.mask_kind == 0 && t + C::TILE <= t_fast) {
       tq_mma_step<D, KB, VB, NRB, false>(
           acc, tl, qf, lane_base, ptile, t, t_end, row0, b, kvh, g, cc, mask, p, sup);
@@ -1273,7 +1204,6 @@ __global__ void __launch_bounds__(
       // over the ring, so that every stage address is a register plus an immediate.
       __syncthreads(); // tables (and query fragments) ready
       take_queries();
-      TQ_MMA_MARK(7);
       while (t0 < t_end) { // uniform within a warp
 #pragma unroll
         for (int cur = 0; cur < C::STAGES; ++cur) { // stage of iteration t0
@@ -1282,17 +1212,9 @@ __global__ void __launch_bounds__(
           }
           // Every lane is done with the stage refilled next: it read it into registers
           // before the previous tile's P exchange, whose __syncwarp it has passed.
-          if constexpr (TQ_MMA_PROBE == 2) { // (no P exchange there)
-            __syncwarp();
-          }
           const int fill = cur == 0 ? C::STAGES - 1 : cur - 1;
           tq_mma_stage_copy<D, KB, VB, NRB>(
-              ring + fill * C::STAGE_BYTES,
-              c,
-              sl,
-              TQ_MMA_PROBE == 1 ? t_first : t0 + (C::STAGES - 1) * C::STEP,
-              t_end,
-              lane);
+              ring + fill * C::STAGE_BYTES, c, sl, t0 + (C::STAGES - 1) * C::STEP, t_end, lane);
           tq_cp_async_wait<C::STAGES - 1>(); // this lane's copies of iteration t0 landed
           __syncwarp(); // and every lane's
           TQMmaTile<D, KB, VB, NRB> tl;
@@ -1315,22 +1237,14 @@ __global__ void __launch_bounds__(
     take_queries();
     for (; t0 < t_end; t0 += 2 * C::STEP) { // uniform within a warp
       run(ta, t0);
-      tq_mma_load<D, KB, VB, NRB>(
-          ta, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 2 * C::STEP, t_end, g, cc);
+      tq_mma_load<D, KB, VB, NRB>(ta, c, t0 + 2 * C::STEP, t_end, g, cc);
       if (t0 + C::STEP >= t_end) {
         break;
       }
       run(tb, t0 + C::STEP);
-      tq_mma_load<D, KB, VB, NRB>(
-          tb, c, TQ_MMA_PROBE == 1 ? t_first : t0 + 3 * C::STEP, t_end, g, cc);
+      tq_mma_load<D, KB, VB, NRB>(tb, c, t0 + 3 * C::STEP, t_end, g, cc);
     }
   }
-  TQ_MMA_MARK(8); // this warp's keys done
-#if TQ_MMA_PROBE == 2
-  if (sink == 0x9e3779b9u) {
-    acc.l[0][0] += 1.0f; // keeps the loads
-  }
-#endif
 
   // ---- row sums over the 8 lanes of a row pair
 #pragma unroll
@@ -1351,7 +1265,6 @@ __global__ void __launch_bounds__(
   // lane, lane after lane: conflict-free; row-major stores were 16-way bank conflicts),
   // and each thread sums one element pair of a row over the warps and writes it.
   __syncthreads(); // every warp is done with the tables and its ring
-  TQ_MMA_MARK(9); // every warp's keys done
   float* red_o = reinterpret_cast<float*>(tq_mma_smem); // [WARPS][MERGE_SLOTS]
   float* red_m = red_o + C::WARPS * C::MERGE_SLOTS; // [WARPS][ROWS] maxima
   float* red_l = red_m + C::WARPS * ROWS; // [WARPS][ROWS] sums
@@ -1397,7 +1310,6 @@ __global__ void __launch_bounds__(
     }
   }
   __syncthreads();
-  TQ_MMA_MARK(10); // warps' partials in shared memory
 
   // row rr of this KV head's query rows: its row of out / lse (and of the merge's grid)
   auto out_row = [&](int rr) {
@@ -1435,102 +1347,6 @@ __global__ void __launch_bounds__(
       }
     }
   }
-#if TQ_MMA_PROBE == 3
-  TQ_MMA_MARK(11); // results written
-  if (threadIdx.x == 0) {
-    unsigned int sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const unsigned long long gt1 = tq_globaltimer();
-    printf(
-        "TQT %d %d %d %u %llu %llu %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-        chunk,
-        split,
-        int(blockIdx.z),
-        sm,
-        tq_gt0,
-        gt1,
-        tq_cy[1] - tq_cy[0],
-        tq_cy[2] - tq_cy[0],
-        tq_cy[3] - tq_cy[0],
-        tq_cy[4] - tq_cy[0],
-        tq_cy[5] - tq_cy[0],
-        tq_cy[6] - tq_cy[0],
-        tq_cy[7] - tq_cy[0],
-        tq_cy[8] - tq_cy[0],
-        tq_cy[9] - tq_cy[0],
-        tq_cy[10] - tq_cy[0],
-        tq_cy[11] - tq_cy[0]);
-  }
-#endif
-
-  // ---- fused split-K merge (merge_count != nullptr, uniform): every block counts its
-  // arrival at its (batch, KV head, row chunk) slot once its partials are out; the last
-  // one resets the slot for the next launch that uses it and merges all the splits
-  // (tq_attention_merge_impl, the separate merge kernel's code), which takes the merge
-  // kernel's launch off each call.
-#if __CUDA_ARCH__ >= 900 // (sm_80 code spills with it; the host checks which code runs)
-  if constexpr (C::FUSED_MERGE) {
-    if (merge_count != nullptr) {
-      __threadfence(); // this thread's partials are visible device-wide
-      __syncthreads();
-      int* last = reinterpret_cast<int*>(tq_mma_smem); // (the merge above is done with it)
-      if (threadIdx.x == 0) {
-        unsigned int* slot = merge_count + blockIdx.z * gridDim.x + blockIdx.x;
-        const bool is_last = atomicAdd(slot, 1u) == unsigned(p.n_splits - 1);
-        if (is_last) {
-          *slot = 0u;
-        }
-        *last = is_last ? 1 : 0;
-      }
-      __syncthreads();
-      if (*last == 0) {
-        return;
-      }
-      __threadfence(); // the other blocks' partials, read with tq_load_partial
-      const int group = threadIdx.x / TQ_MERGE_THREADS;
-      float* gsmem = reinterpret_cast<float*>(tq_mma_smem) + group * TQ_MERGE_SMEM;
-      for (int r0 = 0; r0 < nr; r0 += C::MERGE_GROUPS) { // uniform: every group takes part
-        __syncthreads(); // the last word read, or the previous rows' merge done
-        const int rr = row0 + min(r0 + group, nr - 1); // (a repeated row writes the same)
-        TQThread th;
-        th.tg_x = out_row(rr);
-        th.tg_y = th.tg_z = 0;
-        th.tid = threadIdx.x % TQ_MERGE_THREADS;
-        th.lane = lane;
-        th.simd = th.tid / 32;
-        if (q_bf16) {
-          tq_attention_merge_impl<unsigned short, D, true>( // (bfloat16 bits, as the merge kernel)
-              o_part,
-              ml_part,
-              static_cast<const unsigned short*>(q),
-              static_cast<const unsigned short*>(tail_k),
-              static_cast<const unsigned short*>(tail_v),
-              key_mean,
-              value_mean,
-              out,
-              lse,
-              mp,
-              gsmem,
-              th);
-        } else {
-          tq_attention_merge_impl<__half, D, true>(
-              o_part,
-              ml_part,
-              static_cast<const __half*>(q),
-              static_cast<const __half*>(tail_k),
-              static_cast<const __half*>(tail_v),
-              key_mean,
-              value_mean,
-              out,
-              lse,
-              mp,
-              gsmem,
-              th);
-        }
-      }
-    }
-  }
-#endif
 }
 
 // Host-side lookup (attention_mma_d*.cu): the kernel's address for (kb, vb, nrb), or
@@ -1546,11 +1362,10 @@ struct TQMmaShape {
   int threads; // per block
   int blocks_per_sm; // the kernel's __launch_bounds__ occupancy target
   bool staged; // copies codes by 16-byte cp.async: each head's rows 16-byte aligned
-  bool fused_merge; // can merge the splits itself (given the arrival counters)
 };
 
 inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
-  TQMmaShape s{0, 0, 0, 0, false, false};
+  TQMmaShape s{0, 0, 0, 0, false};
   auto set = [&](auto dd, auto kk, auto vv, auto nn) {
     typedef TQMmaConfig<
         decltype(dd)::value,
@@ -1558,7 +1373,7 @@ inline TQMmaShape attention_mma_shape(int d, int kb, int vb, int nrb) {
         decltype(vv)::value,
         decltype(nn)::value>
         C;
-    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED, C::FUSED_MERGE};
+    s = {C::SMEM, C::STEP, C::THREADS, C::BLOCKS, C::STAGED};
   };
   auto with_n = [&](auto dd, auto kk, auto vv) {
     if (nrb == 1) {

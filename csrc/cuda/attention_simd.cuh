@@ -2,7 +2,7 @@
 // CUDA entry point of the simdgroup-matrix attention kernel (metal/tq_attention_simd.h,
 // the Metal fast path): the very body Metal compiles, run here on the emulation of
 // simdgroup matrices in metal/tq_portable.h, so that the GPU tests exercise it
-// (TURBOQUANT_CUDA_ATTENTION=simd). Correct, not fast: the tensor-core kernel
+// (AttentionKernel::simd, kernel_overrides.h). Correct, not fast: the tensor-core kernel
 // (attention_mma.cuh) is CUDA's fast path.
 #pragma once
 

@@ -10,7 +10,7 @@
 //     mx::allocator::malloc gives managed memory, and MLX's buffer cache converts a
 //     recycled device buffer to managed memory with a synchronous copy. Outputs and
 //     temporaries therefore come from a small device-memory pool of this module
-//     (DevicePool below); TURBOQUANT_CUDA_POOL=0 switches back to mx::allocator.
+//     (DevicePool below).
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -25,9 +25,9 @@
 
 #include "attention_mma.cuh"
 #include "buffer_copies.h"
-#include "env.h"
 #include "gpu.h"
 #include "gpu_params.h"
+#include "kernel_overrides.h"
 #include "message.h"
 #include "tq_entry.cuh"
 
@@ -114,50 +114,6 @@ int sm_count(int device) {
 int max_block_smem(int device) {
   return device_attribute(
       cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "shared memory per block");
-}
-
-/// `n` consecutive arrival counters of the tensor-core kernel's fused merge, all zero:
-/// the next slots of a ring per device, zeroed once when it is created. The last block
-/// of each unit sets its counter back to zero, so a slot is zero again once the launch
-/// that used it is done; it is handed out again RING / n launches later. Launches run in
-/// stream order, graph by graph (MLX commits a CUDA graph every 20-100 ops), so far
-/// fewer than that many can be in flight at once. nullptr (the caller launches the merge
-/// kernel instead) for more than RING / 256 units or when the ring cannot be allocated.
-unsigned int* merge_counters(int device, int n) {
-  constexpr int RING = 1 << 20;
-  static std::mutex mu;
-  static std::unordered_map<int, std::pair<unsigned int*, int>> rings; // base, next slot
-  if (n > RING / 256) {
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  auto& r = rings[device];
-  if (r.first == nullptr) {
-    void* base = nullptr;
-    if (cudaMalloc(&base, RING * sizeof(unsigned int)) != cudaSuccess) {
-      cudaGetLastError(); // (clears the error: the merge kernel runs instead)
-      return nullptr;
-    }
-    check(cudaMemset(base, 0, RING * sizeof(unsigned int)), "cudaMemset");
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); // zero before any launch reads it
-    r = {static_cast<unsigned int*>(base), 0};
-  }
-  if (r.second + n > RING) {
-    r.second = 0;
-  }
-  unsigned int* slots = r.first + r.second;
-  r.second += n;
-  return slots;
-}
-
-/// The architecture (e.g. 90) of the machine code that runs for one of this module's
-/// kernels, once per kernel: the fused merge is compiled into the sm_90 code only.
-int kernel_binary_arch(const void* symbol) {
-  return once_per_kernel<int>(symbol, [&] {
-    cudaFuncAttributes attr{};
-    check(cudaFuncGetAttributes(&attr, symbol), "cudaFuncGetAttributes");
-    return attr.binaryVersion;
-  });
 }
 
 /// Device-memory pool for outputs and temporaries. Buffers are allocated stream-ordered
@@ -268,8 +224,7 @@ class DevicePool {
 
 /// Gives `a` fresh device memory of a.nbytes().
 void allocate(mx::array& a, mx::cu::CommandEncoder& enc) {
-  static const bool use_pool = env_int("TURBOQUANT_CUDA_POOL", 1) != 0;
-  if (use_pool && a.nbytes() > 0) {
+  if (a.nbytes() > 0) {
     a.set_data(DevicePool::get().alloc(
         a.nbytes(), enc.device().cuda_device(), static_cast<cudaStream_t>(enc.stream())));
   } else {
@@ -457,8 +412,8 @@ mx::array readable_codes(
 
 /// The tensor-core kernel for this call, or nullptr when the exact SIMT kernel runs:
 /// float32 queries, head dims other than 64/128/256, value bits above key bits, a GPU
-/// with less shared memory per block than the kernel takes, or
-/// TURBOQUANT_CUDA_ATTENTION=simt (or =simd: the simdgroup-matrix kernel, see
+/// with less shared memory per block than the kernel takes, or another kernel asked for
+/// (attention_kernel_override: the portable one, or the simdgroup-matrix one, see
 /// simd_kernel_for).
 const void* mma_kernel_for(
     const mx::array& q,
@@ -475,8 +430,7 @@ const void* mma_kernel_for(
   if (int64_t(kv_len) * d * std::max(kb, vb) / 8 > int64_t(UINT32_MAX)) {
     return nullptr;
   }
-  const auto kernel = env_switch("TURBOQUANT_CUDA_ATTENTION");
-  if (kernel == "simt" || kernel == "simd") {
+  if (attention_kernel_override() != AttentionKernel::automatic) {
     return nullptr;
   }
   const void* k = nullptr;
@@ -493,12 +447,12 @@ const void* mma_kernel_for(
 }
 
 /// The simdgroup-matrix kernel (metal/tq_attention_simd.h, Metal's fast path, run here
-/// on the emulation of simdgroup matrices) for this call when
-/// TURBOQUANT_CUDA_ATTENTION=simd asks for it: float16 / bfloat16 queries at head dims
-/// 64, 128, 256 (any bit widths); else nullptr. A development option: it makes the GPU
-/// tests run that kernel's body; it is not fast.
+/// on the emulation of simdgroup matrices) for this call when the tests ask for it
+/// (AttentionKernel::simd): float16 / bfloat16 queries at head dims 64, 128, 256 (any
+/// bit widths); else nullptr. It makes the GPU tests run that kernel's body; it is not
+/// fast.
 const void* simd_kernel_for(const mx::array& q, int d, int kb, int vb) {
-  if (env_switch("TURBOQUANT_CUDA_ATTENTION") != "simd") {
+  if (attention_kernel_override() != AttentionKernel::simd) {
     return nullptr;
   }
   const ck::QType qt = q.dtype() == mx::float16 ? ck::QType::Float16
@@ -517,14 +471,17 @@ const void* simd_kernel_for(const mx::array& q, int d, int kb, int vb) {
 
 } // namespace
 
-bool available() {
-  // Asked by every op call on a GPU stream (ops.has_kernels); the answer cannot change
-  // while the process runs.
-  static const bool any = [] {
+KernelSupport kernel_support() {
+  // The answer cannot change while the process runs.
+  static const KernelSupport k = [] {
     int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    KernelSupport s;
+    s.kernels = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    s.write_tokens = true;
+    s.out_in_query_dtype = true; // (the merge kernel writes the queries' type)
+    return s;
   }();
-  return any;
+  return k;
 }
 
 std::vector<size_t> pool_memory(bool reset_peak) {
@@ -770,7 +727,7 @@ void attention(
   // per block.
   const int nrb = rows <= 8 || D > 128 ? 1 : 2;
   const void* mma_sym = mma_kernel_for(q, D, kb, vb, nrb, ap.kv_len, enc.device().cuda_device());
-  // TURBOQUANT_CUDA_ATTENTION=simd: the simdgroup-matrix kernel, with the SIMT kernel's
+  // AttentionKernel::simd: the simdgroup-matrix kernel, with the SIMT kernel's
   // arguments, threads and outputs (its rows and steps: TQ_ATTN_SIMD_ROWS / _STEP).
   const void* simd_sym = simd_kernel_for(q, D, kb, vb);
   AttnShape sh = attn_shape(D);
@@ -815,13 +772,13 @@ void attention(
   // 2), splits of one iteration or more (4k keys: 8% faster than two). One wave.
   const int units = B * Hkv * n_chunks;
   const int sms = sm_count(enc.device().cuda_device());
-  const int target =
-      env_int("TURBOQUANT_ATTN_CTAS", mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
+  const int target = ctas_override() > 0 ? ctas_override()
+                                         : (mma_sym != nullptr ? msh.blocks_per_sm * sms : 4 * sms);
   // At most `target` blocks (the resident ones): rounding up would start a second wave.
-  // TURBOQUANT_ATTN_MIN_STEPS overrides the least block iterations per split.
+  // (min_steps_override replaces the least block iterations per split)
   const int step = mma_sym != nullptr ? msh.step : sh.STEP;
   const int min_steps =
-      std::max(1, env_int("TURBOQUANT_ATTN_MIN_STEPS", mma_sym != nullptr ? 1 : 2));
+      min_steps_override() > 0 ? min_steps_override() : (mma_sym != nullptr ? 1 : 2);
   const auto [splits, split_len] =
       key_splits(ap.kv_len, units, target, step, min_steps * step, SplitRounding::down);
   p.n_splits = splits;
@@ -884,16 +841,6 @@ void attention(
   const void* tvp = ap.has_tail ? mx::gpu_ptr<void>(tail[1]) : nullptr;
   const float* kmp = ap.centered ? cptr<float>(means[0]) : nullptr;
   const float* vmp = ap.centered ? cptr<float>(means[1]) : nullptr;
-  // TURBOQUANT_FUSED_MERGE=1: the tensor-core kernel with 4-bit keys merges the splits
-  // itself (the last block per unit) instead of the merge kernel launched after it. Off:
-  // H200, d128 K4V4, Nsight Compute device time of the call at 4k / 128k / 256k keys,
-  // 15.6 / 53.0 / 93.2 µs fused against 11.7 / 50.1 / 90.1 with the merge kernel (the
-  // last block's merge, its fences and the arrival atomics sit on the critical path).
-  unsigned int* merge_count = nullptr;
-  if (partials && out_f32 && msh.fused_merge && splits <= TQ_MERGE_COMPACT_SPLITS &&
-      env_int("TURBOQUANT_FUSED_MERGE", 0) != 0 && kernel_binary_arch(mma_sym) >= 90) {
-    merge_count = merge_counters(enc.device().cuda_device(), B * Hkv * n_chunks);
-  }
 
   enc.set_input_array(qk);
   enc.set_input_array(kc);
@@ -925,7 +872,7 @@ void attention(
     enc.set_output_array(out);
     enc.set_output_array(lse);
   };
-  if (!partials || merge_count != nullptr) {
+  if (!partials) {
     final_node_io();
   }
   const void* qp = mx::gpu_ptr<void>(qk);
@@ -961,13 +908,7 @@ void attention(
         op,
         mlp,
         p,
-        q_bf16,
-        merge_count,
-        tkp,
-        tvp,
-        kmp,
-        vmp,
-        mp);
+        q_bf16);
   } else {
     enc.add_kernel_node_ex(
         f,
@@ -990,7 +931,11 @@ void attention(
         p);
   }
 
-  if (partials && merge_count == nullptr) {
+  // The merge is a kernel of its own: merging in the tensor-core kernel's last block
+  // per unit was slower (H200, d128 K4V4, 4k / 128k / 256k keys: 15.6 / 53.0 / 93.2 µs
+  // of device time against 11.7 / 50.1 / 90.1; the fences and arrival atomics sat on the
+  // critical path).
+  if (partials) {
     const ck::QType qt = qtype_of(q.dtype());
     if (!out_f32 && out.dtype() != q.dtype()) {
       throw std::invalid_argument(

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(TQ_MERGE_THREADS, 1) tq_attention_merge_kernel
     float* __restrict__ lse,
     const __grid_constant__ TQMergeParams p) {
   __shared__ float smem[TQ_MERGE_SMEM];
-  tq_attention_merge_impl<QT, D, false, OT>(
+  tq_attention_merge_impl<QT, D, OT>(
       o_part, ml_part, q, tail_k, tail_v, key_mean, value_mean, out, lse, p, smem, tq_thread());
 }
 

@@ -49,21 +49,27 @@ def _device(stream, op: str) -> mx.Device:
     )
 
 
-_gpu_kernels = None  # whether this build has kernels for the GPU (asked once)
+# What this build's kernels cover per device type (_ext.kernel_support, the one answer
+# the C++ op functions use too): asked once per type, as every op call asks.
+_support = {}
+
+
+def _kernel_support(device: mx.Device):
+    support = _support.get(device.type)
+    if support is None:
+        support = _support[device.type] = _ext.kernel_support(device)
+    return support
 
 
 def _has_kernels(stream, op: str) -> bool:
-    global _gpu_kernels
-    if _gpu_kernels is None:
-        _gpu_kernels = bool(_ext.gpu_available())
     device = _device(stream, op)  # (checks the argument whatever the build)
-    # Every op call asks: a build with GPU kernels has them on every device, except
-    # that Metal's pass their self-check first (selfcheck.py: once per process, then a
-    # cached bool).
-    if (_gpu_kernels and not _METAL_BUILD) or device.type == mx.cpu:
-        return True
-    if not _gpu_kernels:
+    support = _kernel_support(device)
+    if not support.kernels:
         return False
+    if not support.self_check:
+        return True
+    # Metal's kernels pass their self-check first (selfcheck.py: once per process, then
+    # a cached bool).
     usable = selfcheck._usable
     return usable if usable is not None else selfcheck.metal_kernels_usable(device)
 
@@ -278,12 +284,9 @@ def _fallback_append_kv(
     return kc, ks, vc, vs
 
 
-_METAL_BUILD = _ext.gpu_backend() == "metal"  # (write_tokens_kv has no Metal kernel)
-
-
 def _has_write_kernel(stream, op: str) -> bool:
     """Whether the in-place token write (WriteTokens) has a kernel on ``stream``."""
-    return _has_kernels(stream, op) and (not _METAL_BUILD or _device(stream, op).type == mx.cpu)
+    return _has_kernels(stream, op) and _kernel_support(_device(stream, op)).write_tokens
 
 
 def write_tokens_kv(

@@ -461,7 +461,7 @@ def metal_kernels_usable(device=None) -> bool:
     usable = _usable
     if usable is not None:
         return usable
-    if _ext.gpu_backend() != "metal":
+    if not _ext.kernel_support(device).self_check:  # (CUDA, builds without GPU kernels)
         return True
     with _lock:
         if _usable is None:

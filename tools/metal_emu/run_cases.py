@@ -249,8 +249,8 @@ def case_attention(
         kw["out_dtype"] = DTYPES[out_dtype]
 
     def fn(stream):
-        ext._set_env_switch("TURBOQUANT_METAL_ATTENTION", "portable" if portable else None)
-        ext._set_env_switch("TURBOQUANT_ATTN_CTAS", str(ctas) if ctas else None)
+        ext._set_kernel_override("attention", "portable" if portable else None)
+        ext._set_kernel_override("ctas", ctas or None)
         return ext.compressed_attention(
             q,
             kc,
