@@ -221,7 +221,7 @@ mutant "a misspelled encoder method" \
 mutant "int64_t and long in one std::max" \
   's|(codes\.offset() / 4) % na|(std::max(codes.offset(), 0L) / 4) % na|' 'std::max(codes.offset(), 0L)'
 mutant "a call libmlx does not export" \
-  's/^bool available() {$/bool available() {\n  (void)mx::metal::is_nax_available();/' \
+  's/^KernelSupport kernel_support() {$/KernelSupport kernel_support() {\n  (void)mx::metal::is_nax_available();/' \
   'mx::metal::is_nax_available();'
 mutant "a changed entry-point signature" \
   's/^    const Dequantize& prim,$/    Dequantize\& prim,/' '    Dequantize& prim,'
