@@ -67,23 +67,16 @@ class _BatchAttention:
         return merge_attention(parts)[0].astype(queries.dtype)
 
     def _op(self, queries, scale, op_mask, tail=(None, None), final=False):
-        return ops.compressed_attention(
+        return self._kv.attention(
             queries,
-            *self._kv.arrays,
-            self._codec.key_centroids,
-            self._codec.value_centroids,
             self._W,
             scale,
-            self.key_bits,
-            self.value_bits,
             False,
             op_mask,
-            tail_k=tail[0],
-            tail_v=tail[1],
+            tail=tail,
             rotation_signs=self._signs,
             rotate_output=self.rotate_values,
-            key_mean=self._mu_k,
-            value_mean=self._mu_v,
+            means=(self._mu_k, self._mu_v),
             out_dtype=queries.dtype if final else None,
         )
 

@@ -256,6 +256,45 @@ class CompressedKV:
         )
         return k, v
 
+    def attention(
+        self,
+        queries: mx.array,
+        length: int,
+        scale: float,
+        causal: bool = False,
+        mask=None,
+        *,
+        tail=(None, None),
+        rotation_signs=None,
+        rotate_output: bool = True,
+        means=(None, None),
+        out_dtype=None,
+    ):
+        """``(out, lse)`` of :func:`ops.compressed_attention` over slots ``[0, length)``
+        and a ``tail`` ``(keys, values)``: queries in code space, or in model space with
+        ``rotation_signs`` (the op rotates; ``rotate_output`` where values are stored
+        rotated) and the ``means`` the tokens were centered on."""
+        c = self.codec
+        return ops.compressed_attention(
+            queries,
+            *self.arrays,
+            c.key_centroids,
+            c.value_centroids,
+            length,
+            scale,
+            c.key_bits,
+            c.value_bits,
+            causal,
+            mask,
+            tail_k=tail[0],
+            tail_v=tail[1],
+            rotation_signs=rotation_signs,
+            rotate_output=rotate_output,
+            key_mean=means[0],
+            value_mean=means[1],
+            out_dtype=out_dtype,
+        )
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated (the whole capacity)."""

@@ -190,18 +190,8 @@ class DecodeMixin:
     def _route_fused_apart(self, queries, scale, mask, sinks, plan):
         L = queries.shape[2]
         causal, op_mask = self._op_mask(mask, plan.c, plan.wpos, self.offset - L, L)
-        out, lse = ops.compressed_attention(
-            self._compressed_queries(queries, fused=True),
-            *self._kv.arrays,
-            self._codec.key_centroids,
-            self._codec.value_centroids,
-            plan.c,
-            scale,
-            self.key_bits,
-            self.value_bits,
-            causal,
-            op_mask,
-        )
+        queries_in_codes = self._compressed_queries(queries, fused=True)
+        out, lse = self._kv.attention(queries_in_codes, plan.c, scale, causal, op_mask)
         return _fused_decode_output(
             out,
             lse,
@@ -263,18 +253,7 @@ class DecodeMixin:
         comes back to the model's space here (:meth:`_compressed_result`)."""
         if self._op_signs() is not None:
             return self._model_space_op(queries, c, scale, causal, op_mask)
-        out, lse = ops.compressed_attention(
-            self._compressed_queries(queries),
-            *self._kv.arrays,
-            self._codec.key_centroids,
-            self._codec.value_centroids,
-            c,
-            scale,
-            self.key_bits,
-            self.value_bits,
-            causal,
-            op_mask,
-        )
+        out, lse = self._kv.attention(self._compressed_queries(queries), c, scale, causal, op_mask)
         return self._compressed_result(out, lse, queries, scale)
 
     def _dequantized_part(self, queries, scale, mask, c: int, q0: int):
@@ -367,23 +346,16 @@ class DecodeMixin:
         ``tail`` (keys, values), from the model's queries, in the model's space.
         ``final``: ``out`` is the layer's output, written in the queries' dtype (else
         float32, for merging with other parts)."""
-        return ops.compressed_attention(
+        return self._kv.attention(
             queries,
-            *self._kv.arrays,
-            self._codec.key_centroids,
-            self._codec.value_centroids,
             c,
             scale,
-            self.key_bits,
-            self.value_bits,
             causal,
             op_mask,
-            tail_k=tail[0],
-            tail_v=tail[1],
+            tail=tail,
             rotation_signs=self._op_signs(),
             rotate_output=self.rotate_values,
-            key_mean=self._mu_k,
-            value_mean=self._mu_v,
+            means=(self._mu_k, self._mu_v),
             out_dtype=queries.dtype if final else None,
         )
 
@@ -548,20 +520,7 @@ class DecodeMixin:
     def _tail_attention(self, queries, q_codes, scale, causal, op_mask, c, tail_k, tail_v):
         """The op over the ``c`` compressed tokens and a code-space tail, to the layer's
         output (``q_codes``: the queries in code space)."""
-        out, _ = ops.compressed_attention(
-            q_codes,
-            *self._kv.arrays,
-            self._codec.key_centroids,
-            self._codec.value_centroids,
-            c,
-            scale,
-            self.key_bits,
-            self.value_bits,
-            causal,
-            op_mask,
-            tail_k=tail_k,
-            tail_v=tail_v,
-        )
+        out, _ = self._kv.attention(q_codes, c, scale, causal, op_mask, tail=(tail_k, tail_v))
         signs, matrix, rot_scale, _, mu_v = self._model_space_args()
         return _fused_tail_decode_output(out, signs, matrix, rot_scale, mu_v, queries)
 
