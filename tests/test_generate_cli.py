@@ -100,10 +100,27 @@ def test_cli_generates_and_reports(model_dir, preset):
     elif preset == "fp16":
         assert "layers compressed" not in out
         assert used == pytest.approx(2 * fp16, rel=1e-2)  # mlx-lm's cache holds float32
-    assert "Prefill: 780/780 tokens (100%)" in err  # progress line of the long prompt
-    step = 512 if preset == "tq4" else 256
-    assert f"Prefill: {step}/780 tokens" in err  # one line per block
-    assert ("Prefill: 256/780" in err) == (step == 256)
+    # A progress line per prompt block; the last prompt token starts the generation.
+    done = [int(n) for n in re.findall(r"Prefill: (\d+)/780 tokens", err)]
+    if preset == "tq4":  # default blocks: 128 tokens first, then at most the CPU's 512
+        assert done[0] == 128 and done[-2:] == [779, 780], err
+        assert max(b - a for a, b in zip(done, done[1:])) <= 512, err
+    else:
+        assert done == [256, 512, 768, 779, 780], err
+
+
+def test_prompt_blocks_take_a_few_seconds():
+    blocks = G._Blocks(512, adaptive=True)
+    assert blocks.size == 128
+    blocks.update(128, 0.5)  # 256 tokens/s: a whole 512-token block within 4 s
+    assert blocks.size == 512
+    blocks.update(512, 32.0)  # 16 tokens/s: 64 tokens in 4 s
+    assert blocks.size == 64
+    blocks.update(64, 60.0)  # never below 32 tokens
+    assert blocks.size == 32
+    fixed = G._Blocks(256, adaptive=False)
+    fixed.update(256, 100.0)
+    assert fixed.size == 256
 
 
 def test_cli_options_stdin_and_quiet(model_dir, monkeypatch):

@@ -604,8 +604,8 @@ def cache_report(prompt_cache) -> List[str]:
     tokens = max((getattr(c, "offset", 0) for c in prompt_cache), default=0)
     lines = [
         f"KV cache: {used / 1e6:.3f} MB used by {tokens} tokens "
-        f"(an fp16 cache: {fp16 / 1e6:.3f} MB); {allocated / 1e6:.3f} MB allocated, "
-        "capacity reserved for the tokens to come included"
+        f"(an fp16 cache: {fp16 / 1e6:.3f} MB); {allocated / 1e6:.3f} MB allocated "
+        "(buffers include capacity reserved ahead)"
     ]
     if tq:
         coords = sum(c.dense_nbytes(1) for c in tq)
@@ -630,16 +630,38 @@ def _report_cache(prompt_cache):
         print(line)
 
 
-def _prefill_only(model, prompt_cache, tokens: List[int], step: int, progress):
-    """Processes every prompt token into the cache (no sampling)."""
+# Default prompt blocks shrink (by 32s) so that each takes about this long at the speed
+# of the last one: the progress line moves every few seconds on any machine.
+_BLOCK_SECONDS = 4.0
+_MIN_BLOCK = 32
+
+
+class _Blocks:
+    """Prompt block sizes: ``step`` tokens each or, ``adaptive``, at most ``step``
+    and about :data:`_BLOCK_SECONDS` each (the first one 128 tokens at most)."""
+
+    def __init__(self, step: int, adaptive: bool):
+        self.step, self.adaptive = step, adaptive
+        self.size = min(step, 128) if adaptive else step
+
+    def update(self, n: int, seconds: float):
+        if self.adaptive and seconds > 0:
+            fit = int(_BLOCK_SECONDS * n / seconds) // _MIN_BLOCK * _MIN_BLOCK
+            self.size = max(_MIN_BLOCK, min(self.step, fit))
+
+
+def _prefill(model, prompt_cache, tokens: List[int], blocks: _Blocks, progress, total: int):
+    """Processes ``tokens`` into the cache in blocks (no sampling), as mlx-lm's
+    generate_step does before its first step; ``progress(done, total)`` after each."""
     prompt = mx.array(tokens)
-    total = prompt.size
     done = 0
     progress(0, total)
-    while done < total:
-        n = min(step, total - done)
+    while done < len(tokens):
+        n = min(blocks.size, len(tokens) - done)
+        tic = time.perf_counter()
         model(prompt[None, done : done + n], cache=prompt_cache)
         mx.eval([c.state for c in prompt_cache])
+        blocks.update(n, time.perf_counter() - tic)
         done += n
         progress(done, total)
         mx.clear_cache()
@@ -676,8 +698,12 @@ def main(argv: Optional[List[str]] = None):
         check_cache_arguments(parser, args)  # fail early on an unknown preset
     # (printed once the model is loaded, so that errors before stay one line)
     blas_note = use_fast_blas("turboquant_mlx.generate", sys.argv[1:]) if argv is None else None
-    step = args.prefill_step_size or (
-        CPU_PREFILL_STEP_SIZE if mx.default_device() == mx.cpu else DEFAULT_PREFILL_STEP_SIZE
+    # --prefill-step-size: blocks of that size; by default at most the device's size,
+    # smaller where a block would take more than a few seconds.
+    blocks = _Blocks(
+        args.prefill_step_size
+        or (CPU_PREFILL_STEP_SIZE if mx.default_device() == mx.cpu else DEFAULT_PREFILL_STEP_SIZE),
+        adaptive=args.prefill_step_size is None,
     )
     dequantize = {"auto": "auto", "yes": True, "no": False}[args.dequantize_weights]
 
@@ -797,7 +823,7 @@ def main(argv: Optional[List[str]] = None):
     progress = _Progress(args.verbose)
     if args.save_prompt_cache is not None:
         tic = time.perf_counter()
-        _prefill_only(model, prompt_cache, tokens, step, progress)
+        _prefill(model, prompt_cache, tokens, blocks, progress, len(tokens))
         elapsed = time.perf_counter() - tic
         save_prompt_cache(
             args.save_prompt_cache,
@@ -841,18 +867,28 @@ def main(argv: Optional[List[str]] = None):
         max_tokens=args.max_tokens,
         sampler=sampler,
         prompt_cache=prompt_cache,
-        prefill_step_size=step,
+        prefill_step_size=blocks.step,
     )
     if draft_model is not None:
         kwargs.update(draft_model=draft_model, num_draft_tokens=args.num_draft_tokens)
-    else:
-        kwargs["prompt_progress_callback"] = progress
 
     if args.verbose:
         print("=" * 10)
+    tic = time.perf_counter()
+    rest = tokens
+    if draft_model is None:
+        # The prompt but its last token is read here, in blocks that report progress,
+        # as mlx-lm's generate_step would read it; the last starts the generation.
+        _prefill(model, prompt_cache, tokens[:-1], blocks, progress, len(tokens))
+        rest = tokens[-1:]
+    prefill_seconds = time.perf_counter() - tic
     text = ""
     response = None
-    for response in stream_generate(model, tokenizer, tokens, **kwargs):
+    for response in stream_generate(model, tokenizer, rest, **kwargs):
+        if response.generation_tokens == 1:
+            if draft_model is None:
+                progress(len(tokens), len(tokens))
+            prefill_seconds += response.prompt_tokens / max(response.prompt_tps, 1e-9)
         if args.verbose:
             print(response.text, end="", flush=True)
         text += response.text
@@ -863,7 +899,8 @@ def main(argv: Optional[List[str]] = None):
             print("No text generated for this prompt")
         if response is not None:
             print(
-                f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec"
+                f"Prompt: {len(tokens)} tokens, "
+                f"{len(tokens) / max(prefill_seconds, 1e-9):.3f} tokens-per-sec"
             )
             print(
                 f"Generation: {response.generation_tokens} tokens, "
