@@ -112,3 +112,63 @@ def test_write_rows_keeps_each_rows_own_codes():
         np.testing.assert_array_equal(g[1, :, :4], old[1, :, :4])
         np.testing.assert_array_equal(g[2], old[2])
         np.testing.assert_array_equal(g[0, :, :2], old[0, :, :2])
+
+
+def _pair_mean_np(e, pairing, rope_dims):
+    d = min(rope_dims or e.shape[-1], e.shape[-1])
+    out = e.copy()
+    h = d // 2
+    if pairing == "half":
+        m = (e[..., :h] + e[..., h : 2 * h]) / 2
+        out[..., :h] = m
+        out[..., h : 2 * h] = m
+    elif pairing == "interleaved":
+        m = (e[..., 0 : 2 * h : 2] + e[..., 1 : 2 * h : 2]) / 2
+        out[..., 0 : 2 * h : 2] = m
+        out[..., 1 : 2 * h : 2] = m
+    return out
+
+
+@pytest.mark.parametrize("pairing,rope_dims", [("half", 0), ("interleaved", 0), ("half", 48)])
+def test_key_scale_matches_its_formula(pairing, rope_dims):
+    from turboquant_mlx.levers import key_scale_from
+
+    rng = np.random.default_rng(7)
+    q = rng.uniform(0.01, 4.0, (1, 2, 64)).astype(np.float32)
+    k = rng.uniform(0.01, 4.0, (1, 2, 64)).astype(np.float32)
+    q[0, 0, 5] = 1e6  # a channel whose ratio the limit clamps
+    got = key_scale_from(
+        mx.array(q), mx.array(k), model_dim=64, pairing=pairing, rope_dims=rope_dims, limit=8.0
+    )
+    sq, sk = (_pair_mean_np(x.astype(np.float64), pairing, rope_dims) for x in (q, k))
+    sq = sq + 1e-3 * sq.mean(-1, keepdims=True)
+    sk = sk + 1e-3 * sk.mean(-1, keepdims=True)
+    r = np.sqrt(sq / sk)
+    want = np.sqrt(np.clip(r / r.mean(-1, keepdims=True), 1 / 64, 64))[:, :, None, :]
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5)
+    assert np.array(got).max() <= 8.0 + 1e-5
+
+
+def test_query_energies_trim_takes_later_queries_back_out():
+    from turboquant_mlx.levers import QueryEnergies
+
+    rng = np.random.default_rng(8)
+    qs = [mx.array(rng.standard_normal((1, 4, n, 32)).astype(np.float32)) for n in (6, 1, 1, 3)]
+    e = QueryEnergies()
+    positions = [0, 6, 7, 8]
+    for q, p in zip(qs, positions):
+        e.observe(q, p, first=2, kv_heads=2, keep=16)
+    # Positions 0 and 1 are sinks: 4 of the first block's queries count, 2 per KV head.
+    assert e.count == 2 * (4 + 1 + 1 + 3)
+    want = sum(
+        (np.array(q)[:, :, max(0, 2 - p) :] ** 2).reshape(1, 2, -1, 32).sum(2)
+        for q, p in zip(qs, positions)
+    )
+    np.testing.assert_allclose(np.array(e.energy), want, rtol=1e-5)
+    e.trim(7)  # the steps at 7 and 8 go
+    assert e.count == 2 * (4 + 1)
+    want = sum(
+        (np.array(q)[:, :, max(0, 2 - p) :] ** 2).reshape(1, 2, -1, 32).sum(2)
+        for q, p in zip(qs[:2], positions[:2])
+    )
+    np.testing.assert_allclose(np.array(e.energy), want, rtol=1e-5)

@@ -870,7 +870,7 @@ def test_state_round_trip(layout):
     rng = np.random.default_rng(6)
     cache, _, _ = _filled(rng, [33, 1, 4], **layout)
     if layout.get("calibration_tokens") == 100:
-        assert not cache.calibrated and cache._q_count == 2 * 38
+        assert not cache.calibrated and cache._queries.count == 2 * 38
     new = TurboQuantKVCache.from_state(cache.state)
     _assert_same_cache(cache, new)
     q = _rand(rng, (1, 2, 3, 64))
@@ -1890,7 +1890,7 @@ def _same_contents(a, b, what):
     kb, vb = b.dequantized_keys_values()
     for x, y in ((ka, kb), (va, vb)):
         np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=what)
-    assert a._q_count == b._q_count, what
+    assert a._queries.count == b._queries.count, what
     for x, y in zip(a._lever_arrays(), b._lever_arrays()):
         assert (x is None) == (y is None), what
         if x is not None:

@@ -87,6 +87,7 @@ which state)::
     codec.py        Codec: the layer's rotation, codebooks and head dims
     buffer.py       CompressedKV: the compressed codes and scales (both caches)
     plan.py         which kernel calls a decode/verify step makes (a table of routes)
+    levers.py       the levers' statistics (QueryEnergies) and the key scale's maths
     storage.py      the compressed segment's appends and read-back, byte counts
     window.py       the fp16 window, the code tail and the ring
     calibration.py  the levers' calibration (centering, query-aware key scale), undo

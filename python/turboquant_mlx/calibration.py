@@ -15,6 +15,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .levers import QueryEnergies, key_scale_from
+
 
 def _mask_rows(mask, a: int, b: int, L: int):
     """Rows ``[a, b)`` of an attention mask for ``L`` queries (masks without a row
@@ -61,78 +63,12 @@ class CalibrationMixin:
     def _observe_queries(self, queries: mx.array, q0: int):
         """Adds the energies of queries at positions ``>= fp16_sink_tokens`` (the
         queries are at positions ``[q0, q0 + L)``)."""
-        if not self.query_aware_keys:
-            return
-        B, n_q, L, D = queries.shape
-        skip = max(0, self.fp16_sink_tokens - q0)
-        if skip >= L:
-            return
-        marks = self._q_marks
-        marks.append((q0 + skip, self._q_energy, self._q_count))
-        while marks[0][0] < q0 - self.rollback_tokens:
-            marks.pop(0)  # no exact trim reaches back there
-        q = queries[:, :, skip:] if skip else queries
-        H = self._batch_heads[1]
-        G = n_q // H
-        q = q.astype(mx.float32).reshape(B, H, G * (L - skip), D)
-        e = mx.sum(q * q, axis=2)
-        self._q_energy = e if self._q_energy is None else self._q_energy + e
-        self._q_count += G * (L - skip)
-
-    def _trim_queries(self, new: int):
-        """Takes the energies of the queries at positions ``>= new`` back out (exact where
-        they came in steps or blocks that start at or after ``new``)."""
-        marks = self._q_marks
-        i = len(marks)
-        while i and marks[i - 1][0] >= new:
-            i -= 1
-        if i < len(marks):
-            _, self._q_energy, self._q_count = marks[i]
-            del marks[i:]
-
-    def _pair_mean(self, e: mx.array) -> mx.array:
-        """Averages channel energies ``(..., D)`` over the RoPE pairs."""
-        D = e.shape[-1]
-        d = min(self.rope_dims or D, D)
-        if self.rope_pairing == "none" or d < 2:
-            return e
-        if self.rope_pairing == "half":
-            h = d // 2
-            m = (e[..., :h] + e[..., h : 2 * h]) * 0.5
-            parts = [m, m]
-            if 2 * h < D:
-                parts.append(e[..., 2 * h :])
-        else:  # interleaved
-            h = d // 2
-            pairs = e[..., : 2 * h].reshape(e.shape[:-1] + (h, 2))
-            m = mx.mean(pairs, axis=-1, keepdims=True)
-            parts = [mx.broadcast_to(m, pairs.shape).reshape(e.shape[:-1] + (2 * h,))]
-            if 2 * h < D:
-                parts.append(e[..., 2 * h :])
-        return mx.concatenate(parts, axis=-1)
+        if self.query_aware_keys:
+            self._queries.observe(
+                queries, q0, self.fp16_sink_tokens, self._batch_heads[1], self.rollback_tokens
+            )
 
     key_scale_max = 8.0  # a is clamped to [1/key_scale_max, key_scale_max]
-
-    def _key_scale_from(self, q_energy: mx.array, k_energy: mx.array) -> mx.array:
-        """``a`` ``(B, H, 1, D)`` from mean query and (centered) key energies ``(B, H, D)``
-        (computed on the model's channels; 1 on padded channels)."""
-        D = q_energy.shape[-1]
-        if self._codec is not None and self._codec.model_dim < D:
-            m = self._codec.model_dim
-            a = self._key_scale_from(q_energy[..., :m], k_energy[..., :m])
-            return mx.concatenate([a, mx.ones(a.shape[:-1] + (D - m,), a.dtype)], axis=-1)
-        sq = self._pair_mean(q_energy)
-        sk = self._pair_mean(k_energy)
-        # Regularize channels without energy (a few calibration tokens) relative to
-        # the head's mean energy.
-        sq = sq + 1e-3 * mx.mean(sq, axis=-1, keepdims=True) + 1e-30
-        sk = sk + 1e-3 * mx.mean(sk, axis=-1, keepdims=True) + 1e-30
-        r = mx.sqrt(sq / sk)
-        a2 = r / mx.mean(r, axis=-1, keepdims=True)
-        lim = float(self.key_scale_max) ** 2
-        a2 = mx.clip(a2, 1.0 / lim, lim)
-        a2 = mx.where(mx.isfinite(a2), a2, 1.0)
-        return mx.sqrt(a2)[:, :, None, :]
 
     def _attend_calibrating(self, queries, scale, mask, sinks):
         """A decode or verification block before calibration, as single-token steps at
@@ -188,16 +124,22 @@ class CalibrationMixin:
                 self._mu_k = mx.mean(k, axis=2, keepdims=True)
                 self._mu_v = mx.mean(cv.astype(mx.float32), axis=2, keepdims=True)
                 k = k - self._mu_k
-            if self.query_aware_keys and self._q_count:
-                self._key_scale = self._key_scale_from(
-                    self._q_energy / self._q_count, mx.mean(k * k, axis=2)
+            queries = self._queries
+            if self.query_aware_keys and queries.count:
+                self._key_scale = key_scale_from(
+                    queries.energy / queries.count,
+                    mx.mean(k * k, axis=2),
+                    model_dim=self._codec.model_dim,
+                    pairing=self.rope_pairing,
+                    rope_dims=self.rope_dims,
+                    limit=self.key_scale_max,
                 )
-        self._calib_undo = (S + m, hk, hv, self._q_marks, self._q_energy, self._q_count)
+        self._calib_undo = (S + m, hk, hv, self._queries)
         # (_fresh: the last update was a prompt block, whose queries are calibrating.)
         self._calib_in_prompt = end is None and self._fresh is not None
         self._calibrated = True
         self._drop_code_space()
-        self._q_energy, self._q_count, self._q_marks = None, 0, []
+        self._queries = QueryEnergies()
         self._win_k = self._win_v = None
         self._win_start = S
         self._n_comp = 0
@@ -208,12 +150,12 @@ class CalibrationMixin:
     def _uncalibrate(self, new: int):
         """Back to the uncalibrated cache of the first ``new`` tokens (``new`` before
         the calibration point; see :meth:`_calibrate`)."""
-        _, hk, hv, marks, q_energy, q_count = self._calib_undo
+        _, hk, hv, queries = self._calib_undo
         self._calib_undo = None
         held = max(0, new - self.fp16_sink_tokens)
         self._calibrated = False
         self._mu_k = self._mu_v = self._key_scale = None
-        self._q_marks, self._q_energy, self._q_count = marks, q_energy, q_count
+        self._queries = queries
         self._drop_code_space()
         self._n_comp = 0
         self._kv.private = False  # slots from 0 on are written again
@@ -223,4 +165,4 @@ class CalibrationMixin:
         self._win_start = self.fp16_sink_tokens
 
     def _lever_arrays(self):
-        return (self._mu_k, self._mu_v, self._key_scale, self._q_energy)
+        return (self._mu_k, self._mu_v, self._key_scale, self._queries.energy)

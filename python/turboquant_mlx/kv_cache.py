@@ -42,6 +42,7 @@ from .buffer import CompressedKV
 from .calibration import CalibrationMixin
 from .codec import Codec
 from .codespace import _fused_all_finite
+from .levers import QueryEnergies
 from .decode import DecodeMixin
 from .prefill import PrefillMixin, release_scratch
 from .rotation import Rotation
@@ -252,12 +253,9 @@ class TurboQuantKVCache(
         # Calibration of the levers (turboquant_mlx.cache); None means identity.
         self._calibrated = not (self.center or self.query_aware_keys)
         self._mu_k = self._mu_v = self._key_scale = None
-        self._q_energy = None  # (B, H_kv, D) float32: sum of q^2 seen before calibration
-        self._q_count = 0  # number of query vectors in _q_energy
-        # (position, _q_energy, _q_count) before the queries from that position on were
-        # added, for the last rollback_tokens positions: a trim takes their energies
-        # back out (see _trim_queries).
-        self._q_marks = []
+        # The queries' energies seen before calibration (levers.QueryEnergies), with the
+        # marks that let a trim of the last rollback_tokens positions take them back out.
+        self._queries = QueryEnergies()
         # What a trim back before the calibration point restores (see _calibrate), and
         # whether a prompt block's attention call calibrated (then the next update
         # drops it: held for longer, it doubled a short prompt's memory).
@@ -549,7 +547,7 @@ class TurboQuantKVCache(
         else:
             self._win_k = self._win_k[:, :, : new - self._win_start]
             self._win_v = self._win_v[:, :, : new - self._win_start]
-        self._trim_queries(new)
+        self._queries.trim(new)
         self.offset = new
         return n
 

@@ -99,7 +99,7 @@ class StateMixin:
             self.rope_dims,
             self.calibration_tokens,
             int(self._calibrated),
-            self._q_count,
+            self._queries.count,
         ]
         if self.padded:  # format 3: the arrays hold padded vectors of the model's dim
             values[0] = _FORMAT_VERSION_PADDED
@@ -267,7 +267,7 @@ class StateMixin:
         self._calibrated = bool(cfg.get("calibrated", 1))
         if not (self.center or self.query_aware_keys) and not self._calibrated:
             raise ValueError(f"{_PREFIX} inconsistent state: uncalibrated without levers.")
-        self._q_count = _check_int("query_count", cfg.get("query_count", 0))
+        self._queries.count = _check_int("query_count", cfg.get("query_count", 0))
         self._state_head_dim = state_dim  # the model's head dim where the arrays are padded
         self._config_set = True
 
@@ -301,8 +301,9 @@ class StateMixin:
 
         # Lever statistics: (B, H, 1, D) float32 means and key scale, (B, H, D) float32
         # query energies, present as the configuration and calibration say.
-        if (qe is None) != (self._q_count == 0) or (qe is not None and self._calibrated):
-            raise bad(f"query_energy does not match query_count {self._q_count}")
+        q_count = self._queries.count
+        if (qe is None) != (q_count == 0) or (qe is not None and self._calibrated):
+            raise bad(f"query_energy does not match query_count {q_count}")
         if (mk is None) != (mv is None) or (mk is not None and not self.center):
             raise bad("key_mean and value_mean must come together, with center")
         if ka is not None and not self.query_aware_keys:
@@ -341,8 +342,8 @@ class StateMixin:
             self._drop_code_space()
             if self._kv is not None:
                 self._kv.private = False
-            self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
-            self._q_marks, self._calib_undo = [], None
+            self._mu_k, self._mu_v, self._key_scale = mk, mv, ka
+            self._queries.energy, self._queries.marks, self._calib_undo = qe, [], None
             return
 
         # Batch, heads and head dim from the first present array of the segments.
@@ -449,8 +450,9 @@ class StateMixin:
         if dense:
             self.window_dtype = dense[0][1].dtype
         self._sink_k, self._sink_v, self._win_k, self._win_v = sk, sv, wk, wv
-        self._mu_k, self._mu_v, self._key_scale, self._q_energy = mk, mv, ka, qe
-        self._q_marks, self._calib_undo = [], None  # (no history: trims keep these)
+        self._mu_k, self._mu_v, self._key_scale = mk, mv, ka
+        # (no history: trims keep these)
+        self._queries.energy, self._queries.marks, self._calib_undo = qe, [], None
         if self._calibrated and R == 0:
             self._win_start = max(S, off)
 
