@@ -463,3 +463,20 @@ def test_cli_smollm2_weights_and_report(monkeypatch):
     assert tokens > 100 and used < fp16 and used <= allocated
     assert "30/30 layers compressed (4-bit keys / 4-bit values)" in out
     assert "the first 4 and last 32 tokens of each layer kept in fp16" in out
+
+
+def test_demo_decode_progress(monkeypatch):
+    from turboquant_mlx import demo
+
+    clock = iter([0.0, 1.0, 2.5, 3.0, 5.0])
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = demo._DecodeProgress(10)
+    for tokens in range(1, 6):  # the first token at 0 s, then one a clock tick
+        progress(tokens)
+    # A line at most every 2 s after the first token: at 2.5 s (3 tokens) and 5 s (5).
+    assert err.getvalue().splitlines() == [
+        "Decode: 3/10 tokens, 0.8 tokens-per-sec",
+        "Decode: 5/10 tokens, 0.8 tokens-per-sec",
+    ]

