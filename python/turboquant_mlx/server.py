@@ -33,12 +33,17 @@ for its own caches that cannot merge; the server says which at startup.
 
 import argparse
 import functools
+import io
+import json
 import logging
 import sys
 import threading
+import time
+import urllib.parse
+import weakref
 from typing import List, Optional
 
-__all__ = ["main", "compact_entry", "ContextLengthError"]
+__all__ = ["main", "compact_entry", "check_request", "ContextLengthError", "RequestError"]
 
 # The names of mlx_lm.server this module replaces or subclasses while it runs
 # (checked first, so that an mlx-lm whose server differs gives a clear error).
@@ -56,8 +61,257 @@ _HOOKED = (
 )
 
 
-class ContextLengthError(ValueError):
+class RequestError(ValueError):
+    """A request the server refuses, with what its OpenAI-style error answer says:
+    ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, message, param=None, status=400, code=None, type="invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.code, self.type = param, status, code, type
+
+
+class ContextLengthError(RequestError):
     """A request whose prompt plus ``max_tokens`` exceeds the server's context limit."""
+
+    def __init__(self, message, param="messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+def error_body(message, type="invalid_request_error", param=None, code=None) -> bytes:
+    """The JSON of an error answer, as OpenAI's API writes it."""
+    error = dict(message=message, type=type, param=param, code=code)
+    return json.dumps({"error": error}).encode()
+
+
+def _answer_for(e: Exception) -> RequestError:
+    """The error answer for an exception a request ended with: a RequestError as it is;
+    mlx-lm's "generation thread died" is 503; anything else is the server's fault (500)."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, RuntimeError) and "generation thread died" in str(e):
+        return RequestError(
+            "The server's generation thread has stopped; restart the server.",
+            status=503,
+            type="server_error",
+        )
+    return RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error")
+
+
+# --- Request checks -----------------------------------------------------------------
+#
+# mlx-lm's handler checks some fields and passes the rest to the generation thread,
+# where a bad value ends the thread (a stop sequence that is not a string, an empty
+# prompt, a prompt that is a list), crashes the process (a logit_bias token id past the
+# vocabulary) or drops the connection (a negative seed). Every field it reads is checked
+# here first, in the HTTP thread, so that a bad request gets a 400 naming the field.
+
+# Fields of either endpoint: (kind, lowest, highest); None: no bound.
+_NUMBERS = {
+    "temperature": (0, None),
+    "top_p": (0, 1),
+    "min_p": (0, 1),
+    "repetition_penalty": (0, None),
+    "presence_penalty": (None, None),
+    "frequency_penalty": (None, None),
+    "xtc_probability": (0, 1),
+    "xtc_threshold": (0, 1),
+}
+_INTEGERS = {
+    "max_tokens": (1, None),
+    "max_completion_tokens": (1, None),
+    "top_k": (0, None),
+    "repetition_context_size": (0, None),
+    "presence_context_size": (0, None),
+    "frequency_context_size": (0, None),
+    "num_draft_tokens": (0, None),
+    "seed": (0, 2**64 - 1),  # mx.random.seed takes a uint64
+    "top_logprobs": (0, 11),  # mlx-lm's bound (and -1: none)
+}
+_OBJECTS = ("logit_bias", "stream_options", "role_mapping", "chat_template_kwargs")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_range(name, value, lo, hi):
+    if lo is not None and value < lo:
+        raise RequestError(f"{name} must be at least {lo}, got {value!r}", name)
+    if hi is not None and value > hi:
+        raise RequestError(f"{name} must be at most {hi}, got {value!r}", name)
+
+
+def _check_messages(messages):
+    if not isinstance(messages, list):
+        raise RequestError(
+            f"messages must be a list of message objects, got {type(messages).__name__}",
+            "messages",
+        )
+    if not messages:
+        raise RequestError("messages must hold at least one message, got []", "messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(
+                f"{where} must be an object with role and content, got {type(m).__name__}",
+                where,
+            )
+        if not isinstance(m.get("role"), str):
+            raise RequestError(f"{where}.role must be a string, got {m.get('role')!r}", where)
+        content = m.get("content")
+        if not (content is None or isinstance(content, str) or isinstance(content, list)):
+            raise RequestError(
+                f"{where}.content must be a string or a list of content parts, "
+                f"got {type(content).__name__}",
+                f"{where}.content",
+            )
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise RequestError(
+                    f"{where}.content[{j}] must be an object with a type, got {part!r}",
+                    f"{where}.content",
+                )
+
+
+def check_request(path: str, body: dict, served: "Served") -> dict:
+    """Checks the body of a POST to ``path`` before mlx-lm's handler reads it: raises
+    :class:`RequestError` naming the first bad field, or returns the body as mlx-lm
+    should see it (null fields dropped: mlx-lm takes a given null for the value)."""
+    body = {k: v for k, v in body.items() if v is not None}
+    if path.endswith("/chat/completions"):
+        if "messages" not in body:
+            raise RequestError("messages is required", "messages")
+        _check_messages(body["messages"])
+        tools = body.get("tools", [])
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError(f"tools must be a list of tool objects, got {tools!r}", "tools")
+    else:
+        prompt = body.get("prompt")
+        if "prompt" not in body:
+            raise RequestError("prompt is required", "prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(
+                f"prompt must be a string (lists of prompts or of token ids are not "
+                f"supported), got {type(prompt).__name__}",
+                "prompt",
+            )
+        if not prompt:
+            raise RequestError("prompt must not be empty", "prompt")
+
+    model = body.get("model", "default_model")
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string, got {model!r}", "model")
+    if model not in served.names:
+        raise RequestError(
+            f"The model {model!r} is not served here; this server serves {served.id!r} "
+            f"(GET /v1/models).",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    for name, own in (("draft_model", served.draft), ("adapters", served.adapter)):
+        value = body.get(name, "default_model" if name == "draft_model" else own)
+        if value not in ("default_model", own):
+            raise RequestError(
+                f"{name} {value!r}: this server serves "
+                + (f"{own!r} only" if own else f"no {name.replace('_', ' ')}"),
+                name,
+            )
+
+    for name, (lo, hi) in _NUMBERS.items():
+        if name in body:
+            if not _is_number(body[name]):
+                raise RequestError(f"{name} must be a number, got {body[name]!r}", name)
+            _check_range(name, body[name], lo, hi)
+    for name, (lo, hi) in _INTEGERS.items():
+        if name in body:
+            if not _is_int(body[name]):
+                raise RequestError(f"{name} must be an integer, got {body[name]!r}", name)
+            if not (name == "top_logprobs" and body[name] == -1):
+                _check_range(name, body[name], lo, hi)
+    for name in ("stream", "logprobs"):
+        if name in body and not isinstance(body[name], bool):
+            raise RequestError(f"{name} must be true or false, got {body[name]!r}", name)
+    for name in _OBJECTS:
+        if name in body and not isinstance(body[name], dict):
+            raise RequestError(f"{name} must be an object, got {body[name]!r}", name)
+    if body.get("top_logprobs", -1) > 0 and not body.get("logprobs", False):
+        raise RequestError(
+            f"top_logprobs ({body['top_logprobs']}) needs logprobs: true", "top_logprobs"
+        )
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise RequestError(
+            f"n must be 1 (this server returns one choice a request), got {n!r}", "n"
+        )
+
+    stop = body.get("stop", [])
+    stop_words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop_words, list) or not all(isinstance(w, str) and w for w in stop_words):
+        raise RequestError(
+            f"stop must be a string or a list of non-empty strings, got {stop!r}", "stop"
+        )
+    if "stream_options" in body:
+        include = body["stream_options"].get("include_usage", False)
+        if not isinstance(include, bool):
+            raise RequestError(
+                f"stream_options.include_usage must be true or false, got {include!r}",
+                "stream_options",
+            )
+        # (mlx-lm reads stream_options["include_usage"] when the stream ends.)
+        body["stream_options"] = dict(body["stream_options"], include_usage=include)
+    for token, bias in body.get("logit_bias", {}).items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            token_id = None
+        if token_id is None or token_id < 0:
+            raise RequestError(
+                f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias"
+            )
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise RequestError(
+                f"logit_bias values must be numbers from -100 to 100, got {bias!r} for "
+                f"token {token}",
+                "logit_bias",
+            )
+    # mlx-lm's name for the model of the command line: requests that name it
+    # differently are still batched together and never load a model of their own.
+    body["model"] = "default_model"
+    body.pop("draft_model", None)
+    body.pop("adapters", None)
+    return body
+
+
+def _vocab_size(model, tokenizer) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else tokenizer.vocab_size
+
+
+class Served:
+    """What the server serves: the model's id in /v1/models, the names a request may
+    give it by (the id, its path, file name, stem, and mlx-lm's "default_model"), the
+    draft model and adapters of the command line."""
+
+    def __init__(self, model, draft=None, adapter=None):
+        import os
+
+        self.id = str(model)
+        self.draft, self.adapter = draft, adapter
+        self.created = int(time.time())  # (when the server started: one value a model)
+        names = {self.id, "default_model", os.path.basename(self.id.rstrip("/"))}
+        if os.path.exists(self.id):
+            names.add(os.path.realpath(self.id))
+        names |= {n[: -len(".gguf")] for n in names if n.endswith(".gguf")}
+        self.names = names - {""}
+
+    def model_object(self):
+        return dict(id=self.id, object="model", created=self.created, owned_by="turboquant_mlx")
 
 
 def _cache_summary(caches) -> dict:
@@ -138,6 +392,35 @@ def _model_context(model) -> Optional[int]:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+# The largest request body taken (images come inline as base64).
+MAX_BODY_BYTES = 256 * 2**20
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class _OpenAIErrorWriter:
+    """The handler's output while mlx-lm's handler writes an error answer: its body,
+    ``{"error": "text"}``, is written as OpenAI's ``{"error": {"message", ...}}``."""
+
+    def __init__(self, out, answer: Optional[RequestError]):
+        self._out, self._answer = out, answer
+
+    def write(self, data):
+        try:
+            message = json.loads(data)["error"]
+        except (ValueError, TypeError, KeyError):
+            return self._out.write(data)
+        a = self._answer
+        if a is None:
+            return self._out.write(error_body(str(message)))
+        return self._out.write(error_body(str(message), a.type, a.param, a.code))
+
+    def __getattr__(self, name):
+        return getattr(self._out, name)
 
 
 def _hooks(S, argv: Optional[List[str]]):
@@ -254,6 +537,10 @@ def _hooks(S, argv: Optional[List[str]]):
 
         context_limit = None
 
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            self.served = Served(cli_args.model, cli_args.draft_model, cli_args.adapter_path)
+
         def _load(self, model_path, adapter_path=None, draft_model_path=None):
             super()._load(model_path, adapter_path, draft_model_path)
             a = self.cli_args
@@ -313,17 +600,74 @@ def _hooks(S, argv: Optional[List[str]]):
 
         def __init__(self, *args, **kwargs):
             self._errors = threading.local()  # the HTTP thread's last request error
+            # The response queues of the requests the generation thread has taken
+            # (weakly: a finished request's queue goes with its handler).
+            self._taken = weakref.WeakSet()
+            self._took_request = False
             super().__init__(*args, **kwargs)
 
+        def _next_request(self, timeout=None):
+            request = super()._next_request(timeout)
+            if request is not None:
+                self._taken.add(request[0])
+                self._took_request = True
+            return request
+
+        def _run_generate(self):
+            # mlx-lm's generation loop serves every request; an exception in it ends
+            # the thread, and every later request gets "generation thread died". The
+            # requests being served when it raises get the error, and the loop starts
+            # again (a fresh batch; the model and the prompt cache are kept). A loop
+            # that fails before taking any request (the model does not load) is not
+            # started again.
+            while True:
+                self._took_request = False
+                try:
+                    self._generate()
+                    return
+                except Exception as e:
+                    logging.exception(f"Generation loop failed: {type(e).__name__}: {e}")
+                    failure = RequestError(
+                        f"The generation of this request failed: {type(e).__name__}: {e}",
+                        status=500,
+                        type="server_error",
+                    )
+                    for rqueue in list(self._taken):
+                        rqueue.put(failure)
+                    self._taken = weakref.WeakSet()
+                    if self._stop or not self._took_request:
+                        self._generation_failed = True
+                        return
+                    logging.warning("Generation loop started again")
+
         def _tokenize(self, tokenizer, request, args):
-            result = super()._tokenize(tokenizer, request, args)
+            try:
+                result = super()._tokenize(tokenizer, request, args)
+            except Exception as e:
+                # (A chat template that refuses the messages, a tokenizer that refuses
+                # the text: the request's fault, not the server's.)
+                raise RequestError(
+                    f"The prompt could not be made from this request: {type(e).__name__}: {e}",
+                    "messages" if request.request_type == "chat" else "prompt",
+                ) from e
+            # A logit_bias token past the vocabulary would index past the logits
+            # (and crash the process): checked here, where the model is loaded.
+            vocab = _vocab_size(self.model_provider.model, tokenizer)
+            for token in args.logits.logit_bias or {}:
+                if token >= vocab:
+                    raise RequestError(
+                        f"logit_bias token id {token} is past the vocabulary "
+                        f"({vocab} tokens: ids 0 to {vocab - 1})",
+                        "logit_bias",
+                    )
             limit = self.model_provider.context_limit
             n = len(result[0])
             if limit is not None and n + args.max_tokens > limit:
                 raise ContextLengthError(
                     f"This request needs {n + args.max_tokens} tokens ({n} in the prompt, "
                     f"max_tokens {args.max_tokens}), more than the server's context limit "
-                    f"of {limit} tokens."
+                    f"of {limit} tokens.",
+                    "messages" if request.request_type == "chat" else "prompt",
                 )
             return result
 
@@ -343,14 +687,213 @@ def _hooks(S, argv: Optional[List[str]]):
                 raise
 
     class APIHandler(S.APIHandler):
-        """mlx-lm's handler, whose error answer for a request it could not start is
-        status 404 whatever the cause: a request over the context limit gets 400."""
+        """mlx-lm's handler with the request checks of :func:`check_request`, OpenAI's
+        error answers, a model list of the served model, and a request that fails after
+        its answer began ended with an error rather than a dropped connection."""
+
+        _headers_ended = False
+        _own_error = False
+
+        @property
+        def served(self) -> Served:
+            return self.response_generator.model_provider.served
+
+        def end_headers(self):
+            self._headers_ended = True
+            super().end_headers()
+
+        def send_error_answer(self, e: RequestError):
+            self._own_error = True
+            body = error_body(str(e), e.type, e.param, e.code)
+            self._set_completion_headers(e.status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
 
         def _set_completion_headers(self, status_code: int = 200):
-            errors = getattr(self.response_generator, "_errors", None)
-            if status_code == 404 and isinstance(getattr(errors, "last", None), ContextLengthError):
-                status_code = 400
+            if status_code >= 400 and not self._own_error:
+                # An error answer of mlx-lm's handler: {"error": "text"}, status 404
+                # for any request that could not start. The status comes from the
+                # error the request ended with, and the body is rewritten as OpenAI's.
+                errors = getattr(self.response_generator, "_errors", None)
+                last = getattr(errors, "last", None)
+                answer = _answer_for(last) if status_code == 404 and last else None
+                if answer is not None:
+                    status_code = answer.status
+                self.wfile = _OpenAIErrorWriter(self.wfile, answer)
             super()._set_completion_headers(status_code)
+
+        def _read_body(self) -> dict:
+            length = self.headers.get("Content-Length")
+            if length is None:
+                raise RequestError("The Content-Length header is required", status=411)
+            try:
+                length = int(text := length)
+            except ValueError:
+                length = -1
+            if length < 0:
+                raise RequestError(f"Invalid Content-Length header: {text!r}")
+            if length > MAX_BODY_BYTES:
+                raise RequestError(
+                    f"The request body has {length} bytes, more than the {MAX_BODY_BYTES} "
+                    f"this server takes",
+                    status=413,
+                )
+            raw = self.rfile.read(length)
+            if len(raw) < length:
+                raise RequestError(f"The request body ended after {len(raw)} of {length} bytes")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(
+                    f"The request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                    f"position {e.start})"
+                ) from None
+            try:
+                body = json.loads(text, parse_constant=_refuse_constant)
+            except (json.JSONDecodeError, ValueError) as e:
+                raise RequestError(f"Invalid JSON in the request body: {e}") from None
+            if not isinstance(body, dict):
+                raise RequestError(
+                    f"The request body must be a JSON object, got {type(body).__name__}"
+                )
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(
+                    f"The request body holds a lone UTF-16 surrogate ({e.object[e.start]!r}), "
+                    f"which is not valid Unicode"
+                ) from None
+            return body
+
+        def do_POST(self):
+            if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
+                return self.send_error_answer(
+                    RequestError(
+                        f"No POST endpoint {self.path}; this server has /v1/chat/completions "
+                        f"and /v1/completions",
+                        status=404,
+                        code="not_found",
+                    )
+                )
+            try:
+                body = check_request(self.path, self._read_body(), self.served)
+            except RequestError as e:
+                logging.info(f"Request refused ({e.status}): {e}")
+                return self.send_error_answer(e)
+            # mlx-lm's handler reads the checked body from rfile.
+            raw = json.dumps(body).encode()
+            self.headers.replace_header("Content-Length", str(len(raw)))
+            connection, self.rfile = self.rfile, io.BytesIO(raw)
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = connection
+
+        def handle_completion(self, request, stop_words):
+            try:
+                super().handle_completion(request, stop_words)
+            except (BrokenPipeError, ConnectionResetError):
+                # (mlx-lm's handler stops the request's generation on its way out.)
+                logging.info("The client closed the connection; its request was stopped")
+            except Exception as e:
+                # The generation failed after the answer began (mlx-lm lets the
+                # exception end the handler: the client sees a dropped connection).
+                logging.exception(f"Request failed: {type(e).__name__}: {e}")
+                self._fail_answer(_answer_for(e))
+
+        def _fail_answer(self, e: RequestError):
+            try:
+                if not self._headers_ended:
+                    self._headers_buffer = []  # the 200 not sent yet
+                    self.send_error_answer(e)
+                elif self.stream:
+                    event = error_body(str(e), e.type, e.param, e.code).decode()
+                    self.wfile.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+                    self.wfile.flush()
+            except OSError:
+                pass  # the client is gone
+
+        def generate_response(
+            self,
+            text,
+            finish_reason,
+            *args,
+            token_logprobs=None,
+            top_tokens=None,
+            tokens=None,
+            **kwargs,
+        ):
+            response = super().generate_response(
+                text,
+                finish_reason,
+                *args,
+                token_logprobs=token_logprobs,
+                top_tokens=top_tokens,
+                tokens=tokens,
+                **kwargs,
+            )
+            response["model"] = self.served.id
+            if top_tokens and token_logprobs:
+                # mlx-lm gives, for each generated token, the first of its top tokens
+                # in argpartition's order (not the token generated) and the top tokens
+                # unsorted: each entry is the generated token, top tokens most likely first.
+                tokenizer = self.response_generator.model_provider.tokenizer
+                names = tokenizer.convert_ids_to_tokens(list(tokens))
+                response["choices"][0]["logprobs"] = {
+                    "content": [
+                        dict(
+                            id=t,
+                            token=name,
+                            logprob=lp,
+                            top_logprobs=sorted(top, key=lambda x: -x["logprob"]),
+                        )
+                        for t, name, lp, top in zip(tokens, names, token_logprobs, top_tokens)
+                    ]
+                }
+            return response
+
+        def completion_usage_response(self, *args, **kwargs):
+            response = super().completion_usage_response(*args, **kwargs)
+            response["model"] = self.served.id
+            return response
+
+        def do_GET(self):
+            if self.path.startswith("/v1/models"):
+                return self.handle_models_request()
+            if self.path == "/health":
+                return self.handle_health_check()
+            self.send_error_answer(
+                RequestError(f"No GET endpoint {self.path}", status=404, code="not_found")
+            )
+
+        def handle_models_request(self):
+            # mlx-lm lists the models of the Hugging Face cache (and fails where there
+            # is none); this server serves one model.
+            model = self.served.model_object()
+            # (An id may hold slashes: a repository's, or a file's path.)
+            name = urllib.parse.unquote(self.path[len("/v1/models/") :].split("?")[0])
+            if not name:
+                body = dict(object="list", data=[model])
+            elif name in self.served.names:
+                body = model
+            else:
+                return self.send_error_answer(
+                    RequestError(
+                        f"The model {name!r} is not served here; this server serves "
+                        f"{self.served.id!r}",
+                        "model",
+                        status=404,
+                        code="model_not_found",
+                    )
+                )
+            raw = json.dumps(body).encode()
+            self._set_completion_headers(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+            self.wfile.flush()
 
     return {
         "argparse": ArgparseModule(),
