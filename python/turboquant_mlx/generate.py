@@ -186,8 +186,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--prefill-step-size",
         type=_positive_int,
         default=None,
-        help=f"Number of prompt tokens to process at a time (default: "
-        f"{CPU_PREFILL_STEP_SIZE} on the CPU, {DEFAULT_PREFILL_STEP_SIZE} on a GPU).",
+        help=f"Number of prompt tokens to process at a time (default: at most "
+        f"{CPU_PREFILL_STEP_SIZE} on the CPU, {DEFAULT_PREFILL_STEP_SIZE} on a GPU, fewer "
+        f"where a block would take more than about {_BLOCK_SECONDS:.0f} s).",
     )
     parser.add_argument(
         "--prompt-cache-file",
