@@ -52,9 +52,7 @@ def batch(model, make_cache, prompts, new_tokens):
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=None)
-    uids = gen.insert(
-        prompts, [new_tokens] * len(prompts), caches=[make_cache() for _ in prompts]
-    )
+    uids = gen.insert(prompts, [new_tokens] * len(prompts), caches=[make_cache() for _ in prompts])
     out = {u: [] for u in uids}
     while responses := gen.next_generated():
         for r in responses:
