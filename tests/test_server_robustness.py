@@ -205,6 +205,12 @@ def test_unicode_and_nul_characters_are_answered(server):
     assert status == 200 and body["choices"][0]["text"], body
 
 
+def test_integer_for_a_float_field(server):
+    # (mlx-lm's own check takes only floats for the xtc fields.)
+    status, body = _post(server, _chat(xtc_probability=0, xtc_threshold=0))
+    assert status == 200 and body["choices"][0]["message"]["content"], body
+
+
 def test_null_fields_take_their_defaults(server):
     # OpenAI's clients send null for fields left unset (mlx-lm took null as the value).
     status, body = _post(
@@ -330,11 +336,15 @@ def _rss_kb(pid):
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.slow  # (about 110 s on 2 CPU cores)
+@pytest.mark.slow  # (about 130 s on 2 CPU cores)
 def test_soak_200_requests_memory_flat(server):
-    # 200 short requests, after a warm-up of 40, from 2 clients: chat and text
+    # 200 short requests after a warm-up of 60, from 2 clients: chat and text
     # completions of a few prompts (each a prompt-cache entry that is hit and replaced)
-    # and a bad one in ten. The server's resident memory must stay flat.
+    # and a bad one in ten. The server's resident memory must stay flat. It moves in
+    # steps both ways as MLX's buffer cache and the allocator keep and return memory
+    # (+-10% seen over a few requests), so the lowest of the last three readings (every
+    # 20 requests) is compared with the lowest of the first three: a leak of 0.1 MB a
+    # request would be 20 MB, over 5% here.
     def run(indices, failures):
         for i in indices:
             if i % 10 == 9:
@@ -351,7 +361,7 @@ def test_soak_200_requests_memory_flat(server):
             if status != 200:
                 failures.append((i, status, body))
 
-    def rounds(start, stop):
+    def requests(start, stop):
         failures = []
         threads = [
             threading.Thread(target=run, args=(range(start + k, stop, 2), failures))
@@ -363,11 +373,12 @@ def test_soak_200_requests_memory_flat(server):
             t.join(600)
         assert not failures, failures[:5]
 
-    rounds(0, 40)
-    warm = _rss_kb(server.proc.pid)
-    rounds(40, 240)
-    end = _rss_kb(server.proc.pid)
-    assert end <= 1.05 * warm, (warm, end)
+    requests(0, 60)
+    readings = []
+    for start in range(60, 260, 20):
+        requests(start, start + 20)
+        readings.append(_rss_kb(server.proc.pid))
+    assert min(readings[-3:]) <= 1.05 * min(readings[:3]), readings
 
 
 def test_generation_loop_failure_fails_its_requests_and_the_loop_goes_on():

@@ -25,6 +25,14 @@ parser) with subclasses or wrappers that make the caches with
 :func:`turboquant_mlx.cache.make_prompt_cache`. The prompt-cache entries are
 the caches the requests ran with, so compressed layers stay compressed there.
 
+Requests: every field mlx-lm reads is checked in the HTTP thread before the
+generation thread sees the request (:func:`check_request`); a bad one gets a 400
+naming the field, in OpenAI's error format (``{"error": {"message", "type",
+"param", "code"}}``), as do mlx-lm's own error answers. ``GET /v1/models`` lists
+the served model. An exception in mlx-lm's generation loop fails the requests it
+was serving (500) and the loop starts again, rather than ending the thread and
+with it every later request.
+
 Batching: mlx-lm batches requests by merging single caches (``cache.merge``)
 into batch caches. Where a cache type cannot merge (``merge`` raises
 ``NotImplementedError``), requests are served one at a time, as mlx-lm does
@@ -279,6 +287,9 @@ def check_request(path: str, body: dict, served: "Served") -> dict:
                 f"token {token}",
                 "logit_bias",
             )
+    for name in ("xtc_probability", "xtc_threshold"):
+        if name in body:
+            body[name] = float(body[name])  # (mlx-lm takes floats only)
     # mlx-lm's name for the model of the command line: requests that name it
     # differently are still batched together and never load a model of their own.
     body["model"] = "default_model"
