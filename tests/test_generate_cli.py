@@ -17,6 +17,7 @@ import pytest
 
 import lm_helpers
 from turboquant_mlx import generate as G
+from turboquant_mlx import loading
 from turboquant_mlx.generate import main, parse_fp16_layers
 
 needs_smollm2 = pytest.mark.skipif(
@@ -221,7 +222,11 @@ def test_cli_as_module(model_dir):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Generation: 3 tokens" in proc.stdout
-    if mx.default_device().type == mx.cpu and G._reference_blas() and G._system_openblas():
+    if (
+        mx.default_device().type == mx.cpu
+        and loading._reference_blas()
+        and loading._system_openblas()
+    ):
         # Re-executed once with OpenBLAS preloaded, which the new process reports.
         assert proc.stderr.count("[generate] using the system's OpenBLAS") == 1, proc.stderr
     bad = subprocess.run(
@@ -417,32 +422,34 @@ def test_dequantize_weights_keeps_the_logits():
     model = _quantized_tiny()
     tokens = mx.array([[1, 5, 9, 200, 17, 3]])
     before = model(tokens)
-    expected = G.dequantized_nbytes(model)
-    assert G.dequantize_weights(model) > 0
-    assert not G._quantized_modules(model)
+    expected = loading.dequantized_nbytes(model)
+    assert loading.dequantize_weights(model) > 0
+    assert not loading._quantized_modules(model)
     linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert sum(m.weight.nbytes for m in linears) + model.model.embed_tokens.weight.nbytes == (
         expected
     )
     after = model(tokens)
     assert mx.allclose(before, after, atol=1e-3, rtol=1e-3).item()
-    assert G.dequantize_weights(model) == 0  # nothing left to replace
+    assert loading.dequantize_weights(model) == 0  # nothing left to replace
 
 
 def test_auto_dequantize_needs_the_memory(monkeypatch):
     model = _quantized_tiny()
     if mx.default_device().type != mx.cpu:
         pytest.skip("auto dequantizes on the CPU only")
-    monkeypatch.setattr(G, "_reference_blas", lambda: False)
-    monkeypatch.setattr(G, "_physical_memory", lambda: 4 * G.dequantized_nbytes(model))
-    assert G._auto_dequantize(model)
-    monkeypatch.setattr(G, "_physical_memory", lambda: 4 * G.dequantized_nbytes(model) - 4)
-    assert not G._auto_dequantize(model)
+    monkeypatch.setattr(loading, "_reference_blas", lambda: False)
+    monkeypatch.setattr(loading, "_physical_memory", lambda: 4 * loading.dequantized_nbytes(model))
+    assert loading._auto_dequantize(model)
+    monkeypatch.setattr(
+        loading, "_physical_memory", lambda: 4 * loading.dequantized_nbytes(model) - 4
+    )
+    assert not loading._auto_dequantize(model)
     # On the reference BLAS float products are no faster than quantized ones.
-    monkeypatch.setattr(G, "_physical_memory", lambda: None)
-    assert G._auto_dequantize(model)
-    monkeypatch.setattr(G, "_reference_blas", lambda: True)
-    assert not G._auto_dequantize(model)
+    monkeypatch.setattr(loading, "_physical_memory", lambda: None)
+    assert loading._auto_dequantize(model)
+    monkeypatch.setattr(loading, "_reference_blas", lambda: True)
+    assert not loading._auto_dequantize(model)
 
 
 @needs_smollm2
@@ -452,13 +459,13 @@ def test_cli_smollm2_weights_and_report(monkeypatch):
 
     def spy(*args):
         model, tokenizer = load_model(*args)
-        loaded["quantized"] = len(G._quantized_modules(model))
+        loaded["quantized"] = len(loading._quantized_modules(model))
         return model, tokenizer
 
     monkeypatch.setattr(G, "load_model", spy)
     out, _ = _run(["--prompt", "Why is the sky blue? " * 12, "--max-tokens", "2"])
     if mx.default_device().type == mx.cpu:
-        assert (loaded["quantized"] == 0) == (not G._reference_blas())
+        assert (loaded["quantized"] == 0) == (not loading._reference_blas())
     used, tokens, fp16, allocated = _cache_report(out)
     assert tokens > 100 and used < fp16 and used <= allocated
     assert "30/30 layers compressed (4-bit keys / 4-bit values)" in out

