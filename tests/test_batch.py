@@ -278,6 +278,25 @@ def test_dense_attention_in_query_chunks_matches_float64():
         np.testing.assert_allclose(np.array(lse), want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("held,block", [(5, 6), (1, 8), (3, 4)])
+def test_short_block_over_fewer_compressed_columns_than_queries(held, block):
+    # A verification-sized block longer than the compressed history (a prompt-cache
+    # entry continued in a batch): the op needs kv_len >= queries, so the batch reads
+    # those columns decoded, and agrees with the single cache.
+    rng = np.random.default_rng(held * 10 + block)
+    single = TurboQuantKVCache(**PLAIN)
+    k, v = (mx.array(rng.standard_normal((1, 2, held, 64)).astype(np.float32)) for _ in "kv")
+    single.update_and_fetch(k, v)
+    batch = TurboQuantKVCache.merge([copy.deepcopy(single)])
+    k, v = (mx.array(rng.standard_normal((1, 2, block, 64)).astype(np.float32)) for _ in "kv")
+    q = mx.array(rng.standard_normal((1, 4, block, 64)).astype(np.float32))
+    batch.update_and_fetch(k, v)
+    single.update_and_fetch(k, v)
+    out = np.array(batch.attention(q, 0.125, "causal"))
+    want = np.array(single.attention(q, 0.125, "causal"))
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("cfg", [TQ4, PLAIN], ids=["tq4", "k3v3-plain"])
 def test_merge_extract_round_trip_and_decode(cfg):
     lengths = (2, 37, 75)

@@ -311,11 +311,6 @@ def test_eight_concurrent_clients_good_and_bad(server):
     _assert_serves(server)
 
 
-@pytest.mark.xfail(
-    reason="a batch of compressed caches fails to prefill a few tokens after a prompt-cache "
-    "hit (compressed_attention: kv_len below the query length); the server answers 500",
-    strict=False,
-)
 def test_conversation_ending_with_an_assistant_message(server):
     # (A continuation: the reply starts with the given text.) First a prompt that
     # shares the chat header, so that the conversation starts from a prompt-cache entry.

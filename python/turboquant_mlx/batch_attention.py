@@ -60,7 +60,9 @@ class _BatchAttention:
         comp = self._compressed_part(queries, scale, mask)
         if comp is not None:
             parts.append(comp)
-        parts.append(self._dense_part(queries, scale, mask))
+        dense = self._dense_part(queries, scale, mask)
+        if dense is not None:
+            parts.append(dense)
         if sinks is not None:
             lse = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, -1, 1), (B, n_q, L))
             parts.append((mx.zeros((B, n_q, L, D), mx.float32), lse))
@@ -143,11 +145,12 @@ class _BatchAttention:
         if self._kv.k_codes is None or not seen:
             return None
         L = queries.shape[2]
-        if L <= self.decode_max_queries:
+        if L <= min(self.decode_max_queries, W):
             return self._op(queries, scale, self._comp_mask(L, lo, mask))
-        # A prompt block over compressed history: the op takes at most 8 queries, so
-        # the visible columns are decoded once (this layer's temporary, as the single
-        # cache's prefill does) and attended densely.
+        # A prompt block over compressed history (the op takes at most 8 queries), or a
+        # short block over fewer compressed columns than queries (the op needs at least
+        # as many): the visible columns are decoded once (this layer's temporary, as the
+        # single cache's prefill does) and attended densely.
         a = min(lo[b] for b in seen)
         n = W - a
         yk, yv = self._kv.decoded(a, n)
@@ -167,12 +170,15 @@ class _BatchAttention:
         )
 
     def _dense_part(self, queries, scale, mask):
-        """``(out, lse)`` over the sinks and the fp16 columns each row sees."""
+        """``(out, lse)`` over the sinks and the fp16 columns each row sees, or None
+        where there are none (a block without a window reads itself compressed)."""
         S = self.fp16_sink_tokens
         L = queries.shape[2]
         idx, d0 = self._idx, self._d0
         lo = self._dense_lo()
         a = max(d0, min(lo))
+        if a >= idx and not (S and max(self._ns) > 0):
+            return None
         cols = mx.arange(a, idx)
         q_cols = mx.arange(idx - L, idx)
         keep = (cols[None, None, :] >= mx.array(lo)[:, None, None]) & (
