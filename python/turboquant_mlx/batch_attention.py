@@ -177,7 +177,8 @@ class _BatchAttention:
         idx, d0 = self._idx, self._d0
         lo = self._dense_lo()
         a = max(d0, min(lo))
-        if a >= idx and not (S and max(self._ns) > 0):
+        sinks_held = S and max(self._ns) > 0
+        if a >= idx and not sinks_held:
             return None
         cols = mx.arange(a, idx)
         q_cols = mx.arange(idx - L, idx)
@@ -189,7 +190,7 @@ class _BatchAttention:
             keep = keep & mask[..., a:idx]
         k = self._dk[:, :, a - d0 : idx - d0]
         v = self._dv[:, :, a - d0 : idx - d0]
-        if S and max(self._ns) > 0:
+        if sinks_held:
             s_cols = mx.array(self._pad)[:, None] + mx.arange(S)[None, :]  # (B, S)
             s_keep = (mx.arange(S)[None, :] < mx.array(self._ns)[:, None])[:, None, :] & (
                 s_cols[:, None, :] <= q_cols[None, :, None]

@@ -114,28 +114,43 @@ class CompressedKV:
                 )
             )
         else:
-            self.k_codes, self.k_scales = ops.quantize_append(
-                self.k_codes,
-                self.k_scales,
-                keys,
-                c.key_centroids,
-                start,
-                c.key_bits,
-                rotation_signs=key_signs,
-                mean=key_mean,
-            )
-            self.v_codes, self.v_scales = ops.quantize_append(
-                self.v_codes,
-                self.v_scales,
-                values,
-                c.value_centroids,
-                start,
-                c.value_bits,
-                rotation_signs=value_signs,
-                mean=value_mean,
+            self._set(
+                self._quantized_apart(
+                    self.arrays, keys, values, start, key_signs, value_signs, key_mean, value_mean
+                )
             )
         # Without in_place the outputs reused buffers nothing else held, or are copies.
         self.private = True
+
+    def _quantized_apart(
+        self, arrays, keys, values, start, key_signs, value_signs, key_mean, value_mean
+    ):
+        """``arrays`` ``(k_codes, k_scales, v_codes, v_scales)`` with the tokens quantized
+        into slots from ``start``, keys and values by one :func:`ops.quantize_append`
+        each (the copying path: the outputs are new arrays where the inputs are held)."""
+        c = self.codec
+        kc, ks, vc, vs = arrays
+        kc, ks = ops.quantize_append(
+            kc,
+            ks,
+            keys,
+            c.key_centroids,
+            start,
+            c.key_bits,
+            rotation_signs=key_signs,
+            mean=key_mean,
+        )
+        vc, vs = ops.quantize_append(
+            vc,
+            vs,
+            values,
+            c.value_centroids,
+            start,
+            c.value_bits,
+            rotation_signs=value_signs,
+            mean=value_mean,
+        )
+        return kc, ks, vc, vs
 
     def write_rows(self, keys, values, lo: int, starts, ends, *, key_signs, value_signs, means):
         """Quantizes columns ``[lo, lo + n)`` and keeps, for each row ``b``, only the
@@ -143,34 +158,21 @@ class CompressedKV:
         whose rows' valid codes end at different columns)."""
         c = self.codec
         B, H, n = keys.shape[:3]
-        kc, ks = ops.quantize_append(
+        fresh = (
             mx.zeros((B, H, n, c.key_words), mx.uint32),
             mx.zeros((B, H, n), mx.float16),
-            keys,
-            c.key_centroids,
-            0,
-            c.key_bits,
-            rotation_signs=key_signs,
-            mean=means[0],
-        )
-        vc, vs = ops.quantize_append(
             mx.zeros((B, H, n, c.value_words), mx.uint32),
             mx.zeros((B, H, n), mx.float16),
-            values,
-            c.value_centroids,
-            0,
-            c.value_bits,
-            rotation_signs=value_signs,
-            mean=means[1],
         )
+        new = self._quantized_apart(fresh, keys, values, 0, key_signs, value_signs, *means)
         end = lo + n
         cols = mx.arange(lo, end)[None, :]
         keep = (cols >= mx.array(starts)[:, None]) & (cols < mx.array(ends)[:, None])
         keep = keep[:, None, :]  # (B, 1, n)
         merged = []
-        for buf, new in zip(self.arrays, (kc, ks, vc, vs)):
-            k_ = keep if new.ndim == 3 else keep[..., None]
-            buf[:, :, lo:end] = mx.where(k_, new, buf[:, :, lo:end])
+        for buf, part in zip(self.arrays, new):
+            k_ = keep if part.ndim == 3 else keep[..., None]
+            buf[:, :, lo:end] = mx.where(k_, part, buf[:, :, lo:end])
             merged.append(buf)
         self._set(merged)
         self.private = True
